@@ -1,0 +1,211 @@
+"""Decoder-only transformer language model in two flavours, as plain single-device PyTorch.
+
+* ``flavor="gpt2"`` — Radford et al. 2019, "Language Models are Unsupervised Multitask Learners"
+  §2.3: pre-norm blocks with LayerNorm (with bias), GELU MLP, learned absolute position embeddings,
+  a final LayerNorm, biases in every linear layer, output head tied to the token embedding.
+* ``flavor="llama"`` — Touvron et al. 2023, "LLaMA" §2.2: pre-norm blocks with RMSNorm, SwiGLU MLP,
+  rotary position embeddings, grouped-query attention (``n_kv_heads``), no biases, untied head.
+
+``model.blocks[i].forward(x) -> x`` takes and returns one ``[B, T, d_model]`` tensor, so blocks can
+be wrapped (activation checkpointing) or distributed (pipeline stages) from outside.
+
+Initialisation (:meth:`Transformer.reset_parameters`) follows GPT-2 / nanoGPT: N(0, init_std) for
+linear and embedding weights, zeros for biases, ones for norm gains, and the residual output
+projections (``o_proj``, ``fc_out``, ``down_proj``) scaled by 1/sqrt(2 * n_layers) (Radford et al.
+2019, §2.3). Each parameter's value depends only on (seed, its canonical name, its shape) — never on
+the global RNG, the device, or which other parameters exist — so any layout builds the same model.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.model.layers import Attention, GeluMLP, RMSNorm, RotaryEmbedding, SwiGLU
+
+if TYPE_CHECKING:
+    from shardwise.config import ModelConfig
+
+RESIDUAL_OUTPUTS = frozenset({"o_proj", "fc_out", "down_proj"})
+"""Linear layers that write into the residual stream; their init is scaled by 1/sqrt(2*n_layers)."""
+
+_REQUIRED = ("flavor", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len")
+
+
+def _norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.flavor == "gpt2":
+        return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=True)
+    return RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``, with dropout on
+    both residual branches (Radford et al. 2019 §2.3; Xiong et al. 2020 for the pre-norm layout).
+
+    ``layer_id`` is the block's index in the full model; it names the block's parameters for
+    initialisation, so a process holding only some blocks initialises them identically.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding | None = None):
+        super().__init__()
+        gpt2 = cfg.flavor == "gpt2"
+        self.layer_id = layer_id
+        self.norm1 = _norm(cfg)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=gpt2, dropout=cfg.dropout, rope=rope)
+        self.norm2 = _norm(cfg)
+        self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, bias=True) if gpt2 else SwiGLU(cfg.d_model, cfg.d_ff, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model: ``embed -> blocks -> norm_f -> lm_head``.
+
+    ``model(tokens)`` returns logits ``[B, T, vocab_size]``; ``model(tokens, targets)`` returns the
+    mean next-token cross-entropy as an fp32 scalar (targets equal to -100 are ignored).
+
+    The constructor allocates on the default device (``with torch.device(...)`` is honoured) and
+    calls ``reset_parameters(seed=0)``; it never touches the global RNG. Built under
+    ``torch.device("meta")`` it allocates nothing and skips initialisation: materialise with
+    ``model.to_empty(device=...)`` and then call ``model.reset_parameters(seed)``.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        missing = [k for k in _REQUIRED if getattr(cfg, k) is None]
+        if missing:
+            raise ValueError(f"ModelConfig fields {missing} are unset; pass Config.resolve(...).model")
+        if cfg.flavor not in ("gpt2", "llama"):
+            raise ValueError(f"model.flavor={cfg.flavor!r} is not valid; use 'gpt2' or 'llama'")
+        self.cfg = cfg
+        gpt2 = cfg.flavor == "gpt2"
+        device = torch.empty(0).device  # the default device, honouring `with torch.device(...)`
+        # Build on the meta device, then allocate once and initialise with reset_parameters: this
+        # skips torch's default (kaiming) init, which would consume the global RNG.
+        with torch.device("meta"):
+            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if gpt2 else None
+            head_dim = cfg.d_model // cfg.n_heads
+            self.rope = None if gpt2 else RotaryEmbedding(head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.drop = nn.Dropout(cfg.dropout)
+            self.blocks = nn.ModuleList(Block(cfg, i, self.rope) for i in range(cfg.n_layers))
+            self.norm_f = _norm(cfg)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.reset_parameters(seed=0)
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token (+ learned position, gpt2) embeddings of ``tokens [B, T]`` -> ``[B, T, d_model]``."""
+        t = tokens.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        x = self.tok_emb(tokens)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(t, device=tokens.device))
+        return self.drop(x)
+
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and output projection; logits, or the fp32 mean cross-entropy with ``targets``."""
+        logits = self.lm_head(self.norm_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x, targets)
+
+    # ---- parameters -------------------------------------------------------------------------
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters, counting tied weights once. ``exclude_embeddings`` leaves out the
+        token and position tables (and so a head tied to the token table), as in Kaplan et al. 2020."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= sum(e.weight.numel() for e in (self.tok_emb, self.pos_emb) if e is not None)
+        return n
+
+    def named_parameters_for_init(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Each distinct parameter with its canonical name (e.g. ``blocks.3.attn.q_proj.weight``).
+
+        Block parameters are named by the block's ``layer_id`` rather than its position in
+        ``self.blocks``, and path components starting with ``_`` (wrappers such as
+        ``_checkpoint_wrapped_module`` or ``_orig_mod``) are dropped, so names survive wrapping
+        and partitioning.
+        """
+        seen: set[int] = set()
+        for module in self.modules():
+            if isinstance(module, Block):
+                for name, p in module.named_parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        yield _canonical(f"blocks.{module.layer_id}.{name}"), p
+        for name, p in self.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield _canonical(name), p
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the token embedding tensor when ``cfg.tie_embeddings`` (Press & Wolf
+        2017). ``Module.to_empty`` unties shared parameters; :meth:`reset_parameters` re-ties them."""
+        if self.cfg.tie_embeddings and self.lm_head.weight is not self.tok_emb.weight:
+            self.lm_head.weight = self.tok_emb.weight
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Initialise every parameter from ``(seed, canonical name, shape)`` only, re-tie the output
+        head (if tied) and rebuild the rotary tables. Parameters on the meta device are skipped.
+        See :func:`initial_value`."""
+        self.tie_weights()
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.reset_parameters()
+        for name, p in self.named_parameters_for_init():
+            if p.is_meta:
+                continue
+            value = initial_value(name, p.shape, seed, init_std=self.cfg.init_std, n_layers=self.cfg.n_layers)
+            p.copy_(value)
+
+
+def _canonical(name: str) -> str:
+    return ".".join(part for part in name.split(".") if not part.startswith("_"))
+
+
+def param_seed(seed: int, name: str) -> int:
+    """The generator seed of parameter ``name`` under run seed ``seed``: zlib.crc32 of both (stable
+    across processes and Python versions, unlike ``hash()``). 32 bits, because torch's CPU generator
+    (mt19937) keeps only the low 32 bits of its seed; two parameters share a stream with
+    probability 2^-32."""
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+def initial_value(
+    name: str, shape: Sequence[int], seed: int, *, init_std: float = 0.02, n_layers: int = 1
+) -> torch.Tensor:
+    """The initial value (fp32, CPU) of the parameter ``name`` of ``shape`` under the GPT-2 scheme
+    (Radford et al. 2019 §2.3): zeros for biases, ones for other 1-d tensors (norm gains),
+    N(0, init_std) for matrices and embeddings, with std / sqrt(2 * n_layers) for the residual
+    output projections. A layer that holds a shard of a parameter can take its slice of this."""
+    parts = name.split(".")
+    if parts[-1] == "bias":
+        return torch.zeros(shape, device="cpu")
+    if len(shape) == 1:
+        return torch.ones(shape, device="cpu")
+    std = init_std / math.sqrt(2 * n_layers) if len(parts) >= 2 and parts[-2] in RESIDUAL_OUTPUTS else init_std
+    generator = torch.Generator().manual_seed(param_seed(seed, name))
+    return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
