@@ -1,0 +1,95 @@
+"""Plot training runs from their ``metrics.jsonl`` files into one PNG.
+
+Uses matplotlib's object-oriented API (``matplotlib.figure.Figure`` rendered by the Agg
+canvas), so no pyplot state or global backend switch is involved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from shardwise.train.metrics import METRICS_FILE, read_metrics
+
+__all__ = ["plot_runs"]
+
+# (metric key, panel title, y label, log-scale y)
+_PANELS = (
+    ("loss", "training loss", "loss", False),
+    ("tokens_per_s", "throughput", "tokens / s", False),
+    ("lr", "learning rate", "lr", False),
+    ("grad_norm", "gradient norm", "grad norm", True),
+)
+
+
+def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            xs.append(r["step"])
+            ys.append(float(v))
+    return xs, ys
+
+
+def _labels(run_dirs: Sequence[Path]) -> list[str]:
+    """Run directory names, or fuller paths where names collide."""
+    names = [p.name or str(p) for p in run_dirs]
+    return [str(p) if names.count(n) > 1 else n for p, n in zip(run_dirs, names, strict=True)]
+
+
+def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
+    """Write a PNG comparing runs: loss (with ``val_loss`` markers), tokens/s, lr, grad norm.
+
+    Each run is one colour across the panels, labelled by its directory name. Raises
+    FileNotFoundError naming the run directory if it has no ``metrics.jsonl``, ValueError if
+    that file holds no records. Returns ``out``.
+    """
+    run_dirs = [Path(p) for p in run_dirs]
+    if not run_dirs:
+        raise ValueError("plot_runs needs at least one run directory")
+    runs = []
+    for run_dir in run_dirs:
+        try:
+            records = read_metrics(run_dir)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{run_dir}: no {METRICS_FILE} found; is this a shardwise run directory?") from None
+        if not records:
+            raise ValueError(f"{run_dir}: {METRICS_FILE} holds no metrics records")
+        runs.append(records)
+
+    fig = Figure(figsize=(12, 8), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2, sharex=True).ravel()
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    for ax, (key, title, ylabel, log_y) in zip(axes, _PANELS, strict=True):
+        plotted = False
+        for records, label, color in zip(runs, _labels(run_dirs), colors, strict=True):
+            xs, ys = _series(records, key)
+            if xs:
+                ax.plot(xs, ys, color=color, linewidth=1.2, label=label)
+                plotted = True
+            if key == "loss":
+                vx, vy = _series(records, "val_loss")
+                if vx:
+                    ax.plot(vx, vy, linestyle="none", marker="o", markersize=5, color=color, label=f"{label} (val)")
+                    plotted = True
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if plotted:
+            if log_y and all(y > 0 for r in runs for y in _series(r, key)[1]):
+                ax.set_yscale("log")
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, f"no '{key}' recorded", transform=ax.transAxes, ha="center", va="center")
+    for ax in axes[2:]:
+        ax.set_xlabel("step")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=100)
+    return out

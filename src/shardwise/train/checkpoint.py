@@ -1,0 +1,481 @@
+"""Checkpoints: safetensors files plus JSON, written atomically, verified on load.
+
+A checkpoint is a directory ``<root>/step_<8-digit step>/`` holding
+
+* one ``<stem>.safetensors`` file per entry of ``tensors`` (e.g. ``model``, ``optim``),
+* ``state.json``: the caller's JSON metadata (step, RNG seeds, loss scaler, data position, ...),
+* ``manifest.json``: format version, step, and for every other file its size and SHA-256.
+
+Nothing is ever unpickled: tensors are read with safetensors and everything else is JSON.
+
+Atomicity follows the classic POSIX recipe (write to a temporary name, ``fsync`` the data,
+``rename`` into place, ``fsync`` the directory; see rename(2) and the discussion of durable
+renames in Pillai et al., "All File Systems Are Not Created Equal", OSDI 2014). The manifest is
+written last, so a directory without a complete, matching manifest is never a valid checkpoint,
+and ``verify_checkpoint`` detects truncated, missing or altered files by size and hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import numbers
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+__all__ = [
+    "CheckpointError",
+    "save_checkpoint",
+    "verify_checkpoint",
+    "load_checkpoint",
+    "list_checkpoints",
+    "latest_valid_checkpoint",
+    "optimizer_state_to_tensors",
+    "optimizer_state_from_tensors",
+]
+
+FORMAT_NAME = "shardwise.checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STATE = "state.json"
+TMP_PREFIX = ".tmp-"
+# Temporary directories of dead processes are removed only once they are this old, so that a
+# writer on another host sharing the file system (whose pid we cannot see) is left alone.
+STALE_TMP_AGE_S = 3600.0
+
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_TMP_DIR = re.compile(r"^\.tmp-step_\d{8,}-(\d+)-[0-9a-f]+$")
+_STEM = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = 1 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the checkpoint and file."""
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of the checkpoint for ``step`` (``step_00000100``)."""
+    return f"step_{step:08d}"
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    tensors: Mapping[str, Mapping[str, torch.Tensor]],
+    meta: Mapping[str, Any],
+    keep: int,
+) -> Path:
+    """Atomically write checkpoint ``step`` under ``root`` and prune to the newest ``keep``.
+
+    ``tensors`` maps a file stem (``"model"``, ``"optim"``) to a flat ``{name: tensor}`` dict;
+    tensors are detached, moved to CPU and made contiguous, and tensors that share storage
+    (tied embeddings) are cloned so each is stored once per name. ``meta`` must be JSON
+    serialisable. All inputs are validated before anything is written; a failure while writing
+    removes the temporary directory and leaves existing checkpoints untouched.
+
+    Re-saving an existing step replaces it: the old directory is renamed aside, the new one
+    renamed into place, then the old one deleted. A crash between those two renames loses that
+    one step (older checkpoints remain and ``latest_valid_checkpoint`` falls back to them).
+
+    Returns the path of the new checkpoint directory.
+    """
+    root = Path(root)
+    _check_save_args(step, tensors, keep)
+    try:
+        state_text = json.dumps(dict(meta), indent=2, sort_keys=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint meta for step {step} is not JSON-serialisable: {e}") from e
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = _new_tmp_dir(root, step)
+    try:
+        files: dict[str, dict[str, Any]] = {}
+        for stem, flat in tensors.items():
+            name = f"{stem}.safetensors"
+            save_file(_prepare_tensors(flat), str(tmp / name), metadata={"format": "pt"})
+            files[name] = _fsync_and_describe(tmp / name)
+        _write_text(tmp / STATE, state_text)
+        files[STATE] = _fsync_and_describe(tmp / STATE)
+        manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": step, "files": files}
+        _write_text(tmp / MANIFEST, json.dumps(manifest, indent=2))
+        _fsync_path(tmp / MANIFEST)
+        _fsync_dir(tmp)
+        _move_into_place(tmp, final, root, step)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(root)
+    _prune(root, keep, final)
+    return final
+
+
+def _check_save_args(step: int, tensors: Mapping, keep: int) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"checkpoint keep must be an int >= 1, got {keep!r}")
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"checkpoint tensors must be a dict of file stem -> {{name: tensor}}, got {type(tensors)}")
+    for stem, flat in tensors.items():
+        if not isinstance(stem, str) or not _STEM.match(stem):
+            raise ValueError(
+                f"checkpoint file stem {stem!r} is not a plain file name; use letters, digits, '_', '.', '-'"
+            )
+        if not isinstance(flat, Mapping):
+            raise TypeError(f"checkpoint tensors[{stem!r}] must be a dict of name -> tensor, got {type(flat)}")
+        for name, t in flat.items():
+            if not isinstance(name, str):
+                raise TypeError(f"checkpoint tensors[{stem!r}] has a non-string key {name!r}")
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"checkpoint tensors[{stem!r}][{name!r}] is a {type(t).__name__}, not a tensor")
+            if t.is_sparse or t.layout != torch.strided:
+                raise TypeError(f"checkpoint tensors[{stem!r}][{name!r}] has layout {t.layout}; only dense tensors")
+
+
+def _prepare_tensors(flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detach, move to CPU, make contiguous; clone any tensor whose storage was already seen."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in flat.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr != 0:  # empty tensors have no storage to share
+            if ptr in seen:
+                t = t.clone()
+            seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def _new_tmp_dir(root: Path, step: int) -> Path:
+    path = root / f"{TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}-{secrets.token_hex(4)}"
+    path.mkdir()
+    return path
+
+
+def _move_into_place(tmp: Path, final: Path, root: Path, step: int) -> None:
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    old = root / f"{TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}-{secrets.token_hex(4)}"
+    os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        os.rename(old, final)
+        raise
+    _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _prune(root: Path, keep: int, just_written: Path) -> None:
+    """Delete the oldest step directories beyond ``keep`` and stale temporary directories."""
+    candidates = [p for p in list_checkpoints(root) if p.name != just_written.name]
+    excess = len(candidates) + 1 - keep
+    for victim in candidates[: max(0, excess)]:
+        _remove_dir_atomically(root, victim)
+    for entry in root.iterdir():
+        if _is_stale_tmp(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _remove_dir_atomically(root: Path, victim: Path) -> None:
+    """Rename first so a crash mid-delete never leaves a half-deleted ``step_*`` directory."""
+    m = _STEP_DIR.match(victim.name)
+    grave = root / f"{TMP_PREFIX}step_{m.group(1) if m else '0' * 8}-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        os.rename(victim, grave)
+    except FileNotFoundError:
+        return  # another writer removed it already
+    shutil.rmtree(grave, ignore_errors=True)
+
+
+def _is_stale_tmp(entry: Path) -> bool:
+    m = _TMP_DIR.match(entry.name)
+    if m is None or not entry.is_dir():
+        return False
+    pid = int(m.group(1))
+    if pid == os.getpid():
+        return True  # saves are synchronous: any of ours left over is from a failed earlier save
+    try:
+        age = time.time() - entry.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    return age > STALE_TMP_AGE_S and not _pid_alive(pid)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync_path(path)
+    except OSError:
+        pass  # some platforms/file systems cannot fsync a directory
+
+
+def _fsync_and_describe(path: Path) -> dict[str, Any]:
+    """fsync ``path`` and return its manifest entry ``{"size": bytes, "sha256": hex}``."""
+    _fsync_path(path)
+    size, digest = _size_and_sha256(path)
+    return {"size": size, "sha256": digest}
+
+
+def _size_and_sha256(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is not a directory")
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is missing (incomplete write or not a checkpoint)")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a {FORMAT_NAME} manifest")
+    version = manifest.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path}: {MANIFEST} has format version {version!r}; this shardwise reads up to {FORMAT_VERSION}"
+        )
+    step, files = manifest.get("step"), manifest.get("files")
+    if not isinstance(step, int) or not isinstance(files, dict):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} lacks an integer 'step' or a 'files' table")
+    m = _STEP_DIR.match(path.name)
+    if m and int(m.group(1)) != step:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} says step {step}, directory name says {int(m.group(1))}")
+    if STATE not in files:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} does not list {STATE}")
+    for name, entry in files.items():
+        if not isinstance(name, str) or not _STEM.match(name) or name == MANIFEST:
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} lists an invalid file name {name!r}")
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("size"), int)
+            or not isinstance(entry.get("sha256"), str)
+            or not _SHA256.match(entry["sha256"])
+        ):
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} entry for {name} lacks a valid size and sha256")
+    return manifest
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise :class:`CheckpointError` unless every file in the manifest is present and intact.
+
+    Checks, per file listed in ``manifest.json``: it exists, its size matches (catching
+    truncation cheaply), and its SHA-256 matches (catching any altered byte).
+    """
+    path = Path(path)
+    manifest = _read_manifest(path)
+    for name, entry in manifest["files"].items():
+        fpath = path / name
+        if not fpath.is_file():
+            raise CheckpointError(f"checkpoint {path}: file {name} is missing")
+        size = fpath.stat().st_size
+        if size != entry["size"]:
+            what = "truncated" if size < entry["size"] else "longer than recorded"
+            raise CheckpointError(f"checkpoint {path}: file {name} is {what} ({size} bytes, expected {entry['size']})")
+        _, digest = _size_and_sha256(fpath)
+        if digest != entry["sha256"]:
+            expected = entry["sha256"]
+            raise CheckpointError(
+                f"checkpoint {path}: file {name} is corrupt (sha256 {digest[:12]}..., expected {expected[:12]}...)"
+            )
+
+
+def load_checkpoint(
+    path: Path, map_location: str | torch.device = "cpu"
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """Verify, then load a checkpoint: returns ``({stem: {name: tensor}}, meta)``.
+
+    Tensors are read with ``safetensors.torch.load_file`` onto ``map_location``; ``meta`` is
+    ``state.json`` parsed as JSON. No pickle is involved.
+    """
+    path = Path(path)
+    verify_checkpoint(path)
+    manifest = _read_manifest(path)
+    device = str(map_location) if isinstance(map_location, torch.device) else map_location
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for name in sorted(manifest["files"]):
+        if name.endswith(".safetensors"):
+            try:
+                tensors[name[: -len(".safetensors")]] = load_file(str(path / name), device=device)
+            except (SafetensorError, OSError, ValueError) as e:
+                raise CheckpointError(f"checkpoint {path}: file {name} cannot be read by safetensors: {e}") from e
+    try:
+        meta = json.loads((path / STATE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: file {STATE} is unreadable: {e}") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {path}: file {STATE} does not hold a JSON object")
+    return tensors, meta
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Step directories under ``root``, oldest (lowest step) first; temporary dirs are ignored."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = _STEP_DIR.match(entry.name)
+        if m and entry.is_dir():
+            found.append((int(m.group(1)), entry))
+    return [p for _, p in sorted(found)]
+
+
+def latest_valid_checkpoint(root: Path, warn: Callable[[str], Any] = print) -> Path | None:
+    """The newest checkpoint under ``root`` that verifies, or None.
+
+    Each newer checkpoint that fails verification is reported through ``warn`` with one line
+    naming the checkpoint, the file and what is wrong, and skipped.
+    """
+    for path in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            warn(f"skipping invalid checkpoint: {e}")
+            continue
+        return path
+    return None
+
+
+# ----------------------------------------------------------------------------- optimizer state
+
+
+def optimizer_state_to_tensors(state_dict: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Flatten a ``torch.optim.Optimizer.state_dict()`` into tensors plus JSON metadata.
+
+    Tensors are named by their path, e.g. ``state.3.exp_avg`` or ``state.3.step`` (AdamW keeps
+    ``step`` as a tensor); everything else (hyper-parameters, Python numbers, tuples such as
+    ``betas``) goes into the JSON metadata. :func:`optimizer_state_from_tensors` is the exact
+    inverse, suitable for ``optimizer.load_state_dict``.
+    """
+    if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise TypeError("expected an optimizer state_dict with 'state' and 'param_groups'")
+    tensors: dict[str, torch.Tensor] = {}
+    state_meta = []
+    for key, pstate in state_dict["state"].items():
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise TypeError(f"optimizer state key {key!r} is neither int nor str")
+        if not isinstance(pstate, Mapping):
+            raise TypeError(f"optimizer state[{key!r}] is a {type(pstate).__name__}, not a dict")
+        values = {str(name): _encode(value, f"state.{key}.{name}", tensors) for name, value in pstate.items()}
+        state_meta.append({"key": key, "values": values})
+    groups = [_encode(dict(g), f"param_groups.{i}", tensors) for i, g in enumerate(state_dict["param_groups"])]
+    extra = {k: _encode(v, k, tensors) for k, v in state_dict.items() if k not in ("state", "param_groups")}
+    return tensors, {"state": state_meta, "param_groups": groups, "extra": extra}
+
+
+def optimizer_state_from_tensors(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Rebuild the optimizer ``state_dict`` flattened by :func:`optimizer_state_to_tensors`."""
+    if (
+        not isinstance(meta, Mapping)
+        or not isinstance(meta.get("state"), list)
+        or not isinstance(meta.get("param_groups"), list)
+    ):
+        raise CheckpointError("optimizer metadata is malformed: expected 'state' and 'param_groups' lists")
+    state: dict[Any, dict[str, Any]] = {}
+    for entry in meta["state"]:
+        if not isinstance(entry, Mapping) or "key" not in entry or not isinstance(entry.get("values"), Mapping):
+            raise CheckpointError(f"optimizer metadata has a malformed state entry: {entry!r}")
+        state[entry["key"]] = {name: _decode(v, tensors) for name, v in entry["values"].items()}
+    groups = [_decode(g, tensors) for g in meta["param_groups"]]
+    out: dict[str, Any] = {"state": state, "param_groups": groups}
+    for k, v in (meta.get("extra") or {}).items():
+        out[k] = _decode(v, tensors)
+    return out
+
+
+def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """JSON-encode ``value``; tensors are moved into ``tensors`` and replaced by a reference."""
+    if isinstance(value, torch.Tensor):
+        if path in tensors:
+            raise ValueError(f"optimizer state tensor name {path!r} is ambiguous")
+        tensors[path] = value
+        return {"__tensor__": path}
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, f"{path}.{i}", tensors) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, f"{path}.{i}", tensors) for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"optimizer state at {path} has non-string dict keys; cannot store as JSON")
+        if "__tensor__" in value or "__tuple__" in value:
+            raise ValueError(f"optimizer state at {path} uses a reserved key")
+        return {k: _encode(v, f"{path}.{k}", tensors) for k, v in value.items()}
+    raise TypeError(f"optimizer state at {path} has unsupported type {type(value).__name__}")
+
+
+def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            name = value["__tensor__"]
+            if name not in tensors:
+                raise CheckpointError(f"optimizer state refers to tensor {name!r}, which is not in the checkpoint")
+            return tensors[name]
+        if "__tuple__" in value:
+            return tuple(_decode(v, tensors) for v in value["__tuple__"])
+        return {k: _decode(v, tensors) for k, v in value.items()}
+    return value
