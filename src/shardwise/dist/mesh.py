@@ -1,0 +1,288 @@
+"""The world of processes, and its division into named parallel axes.
+
+``init_distributed`` starts (or finds) the default process group of one worker.
+``ParallelDims`` names the size of every axis of a layout and checks that they multiply
+to the world size; ``ParallelDims.build`` turns it into a ``Mesh``, which holds this
+rank's process group, rank and size along every axis. The mesh is created once and
+passed to whatever needs it; nothing here is global state.
+
+Rank layout follows Megatron-LM (Shoeybi et al. 2019, "Megatron-LM", §3; Narayanan et
+al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", §3): the
+global rank is ``((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i`` -- tensor parallel is
+the fastest-varying axis (neighbouring ranks, usually one node, share the most
+traffic), pipeline the slowest. Expert-parallel groups are consecutive runs of ``ep``
+ranks along the flattened (dp, cp) axis (cp faster), as in Megatron-Core's expert
+layout, so experts are sharded over ranks that hold the same tensor/pipeline shard.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+AXES = ("pp", "dp", "cp", "tp")
+"""The axes of the device grid, slowest-varying first."""
+
+ALL_AXES = (*AXES, "ep")
+"""Every axis a ``Mesh`` answers for; ``ep`` subdivides ``dp * cp``."""
+
+
+# ---- the default process group ---------------------------------------------------------
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """"auto" -> "nccl" when CUDA is available, else "gloo"; other names pass through."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"parallel.backend={backend!r} is not valid; use one of 'auto', 'nccl', 'gloo'")
+    return backend
+
+
+def _device_for(backend: str, local_rank: int) -> torch.device:
+    if "nccl" in backend:
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[int, int, int, torch.device]:
+    """Initialise this worker's default process group; return ``(rank, world_size, local_rank, device)``.
+
+    * Already initialised (e.g. by a test harness): return what exists.
+    * torchrun-style environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+      ``MASTER_PORT``): join that world.
+    * Neither (a plain ``python`` process): a one-rank group on an in-memory ``HashStore``.
+
+    The store is created explicitly and namespaced per restart attempt with
+    ``PrefixStore(f"restart{TORCHELASTIC_RESTART_COUNT}", store)``: after torchrun
+    ``--max-restarts`` restarts the workers, the agent's store still holds the keys of
+    the previous attempt and a gloo group rendezvousing on them can fail to connect.
+    When torchrun's agent hosts the store (``TORCHELASTIC_USE_AGENT_STORE=True``) every
+    rank is a client of it; otherwise rank 0 hosts it (as ``torch.distributed``'s own
+    ``env://`` rendezvous does). ``timeout_s`` bounds rendezvous and every collective.
+
+    ``backend="auto"`` picks nccl when CUDA is available (and makes ``cuda:local_rank``
+    the current device), gloo otherwise; the returned device follows the backend.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        return rank, world, local_rank, _device_for(dist.get_backend(), local_rank)
+
+    backend = resolve_backend(backend)
+    if "RANK" not in os.environ:
+        device = _device_for(backend, 0)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return 0, 1, 0, device
+
+    missing = [k for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"RANK is set but {', '.join(missing)} is not; launch workers with torchrun")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = _device_for(backend, local_rank)
+    use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size=world,
+        is_master=rank == 0 and not use_agent_store,
+        timeout=timeout,
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"restart{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return rank, world, local_rank, device
+
+
+# ---- axis sizes -----------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of the parallel axes of one layout.
+
+    ``pp * dp * cp * tp == world_size``; ``ep`` (expert parallel) does not add ranks, it
+    shards experts over a subdivision of the ``dp * cp`` ranks, so it must divide
+    ``dp * cp``. ``world_size=None`` means "the product of the axes".
+    """
+
+    pp: int = 1
+    """Pipeline-parallel stages (slowest-varying axis)."""
+    dp: int = 1
+    """Data-parallel replicas."""
+    cp: int = 1
+    """Context-parallel shards of the sequence."""
+    tp: int = 1
+    """Tensor-parallel shards (fastest-varying axis)."""
+    ep: int = 1
+    """Expert-parallel shards, carved out of dp * cp."""
+    world_size: int | None = None
+    """Number of processes; default pp * dp * cp * tp."""
+
+    def __post_init__(self) -> None:
+        if self.world_size is None and all(isinstance(getattr(self, a), int) for a in AXES):
+            self.world_size = self.pp * self.dp * self.cp * self.tp
+
+    @classmethod
+    def from_config(cls, parallel_cfg, world_size: int) -> ParallelDims:
+        """From a ``ParallelConfig``; an unset ``dp`` becomes ``world_size / (tp * pp * cp)``."""
+        p = parallel_cfg
+        dp = p.dp
+        if dp is None:
+            dp = max(world_size // max(p.tp * p.pp * p.cp, 1), 1)
+        dims = cls(pp=p.pp, dp=dp, cp=p.cp, tp=p.tp, ep=p.ep, world_size=world_size)
+        dims.validate()
+        return dims
+
+    def validate(self) -> ParallelDims:
+        """Raise ``ValueError`` naming the offending field unless the sizes form a layout."""
+        for axis in (*ALL_AXES, "world_size"):
+            value = getattr(self, axis)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                name = "world size" if axis == "world_size" else f"parallel.{axis}"
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        product = self.dp * self.tp * self.pp * self.cp
+        if product != self.world_size:
+            hint = ""
+            mp = self.tp * self.pp * self.cp
+            if self.world_size % mp == 0:
+                hint = f"; set parallel.dp={self.world_size // mp}"
+            raise ValueError(f"parallel.dp*tp*pp*cp={product} does not match the world size {self.world_size}{hint}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(
+                f"parallel.ep={self.ep} does not divide parallel.dp*cp={self.dp * self.cp}; "
+                f"use one of {_divisors(self.dp * self.cp)}"
+            )
+        return self
+
+    def size(self, axis: str) -> int:
+        _check_axis(axis)
+        return getattr(self, axis)
+
+    def rank_grid(self) -> torch.Tensor:
+        """Global ranks laid out as a (pp, dp, cp, tp) grid (tp fastest)."""
+        return torch.arange(self.world_size).reshape(self.pp, self.dp, self.cp, self.tp)
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group of global ranks along ``axis``, each group in axis order.
+
+        Pure arithmetic (no communication): the ranks that differ only in their
+        coordinate on ``axis``. For ``ep``: consecutive runs of ``ep`` ranks of the
+        flattened (dp, cp) axis, at fixed (pp, tp).
+        """
+        _check_axis(axis)
+        self.validate()
+        grid = self.rank_grid()
+        if axis == "ep":
+            grid = grid.reshape(self.pp, self.dp * self.cp // self.ep, self.ep, self.tp)
+            return grid.permute(0, 1, 3, 2).reshape(-1, self.ep).tolist()
+        d = AXES.index(axis)
+        return grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
+
+    def coords(self, global_rank: int) -> dict[str, int]:
+        """This rank's coordinate along every axis (``ep``: position inside its ep group)."""
+        out = {}
+        for axis in ALL_AXES:
+            for g in self.groups(axis):
+                if global_rank in g:
+                    out[axis] = g.index(global_rank)
+        return out
+
+    def build(self, device_type: str = "cpu") -> Mesh:
+        """Create the process groups of every axis; collective over the default group.
+
+        Every rank must call it, in the same order relative to other group creations.
+        The (pp, dp, cp, tp) groups come from torch's ``DeviceMesh`` (kept as
+        ``Mesh.device_mesh`` for DTensor-based peers); the ``ep`` groups, which split a
+        flattened axis, from ``dist.new_group``.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.validate()
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelDims.build needs an initialised default process group; call init_distributed()")
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"parallel.dp*tp*pp*cp={self.world_size} does not match the world size {dist.get_world_size()}"
+            )
+        me = dist.get_rank()
+        mine = {axis: next(g for g in self.groups(axis) if me in g) for axis in ALL_AXES}
+        device_mesh = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=AXES)
+        groups = {axis: device_mesh.get_group(axis) for axis in AXES}
+        for ranks in self.groups("ep"):  # every rank creates every group, in the same order
+            g = dist.new_group(ranks)
+            if me in ranks:
+                groups["ep"] = g
+        for axis in ALL_AXES:  # DeviceMesh must agree with our layout arithmetic
+            got = dist.get_process_group_ranks(groups[axis])
+            if got != mine[axis]:
+                raise RuntimeError(f"mesh axis {axis}: DeviceMesh gave ranks {got}, expected {mine[axis]}")
+        return Mesh(dims=self, global_rank=me, device_mesh=device_mesh, _groups=groups, _ranks=mine)
+
+
+def _check_axis(axis: str) -> None:
+    if axis not in ALL_AXES:
+        raise ValueError(f"unknown mesh axis {axis!r}; use one of {', '.join(ALL_AXES)}")
+
+
+# ---- the built mesh ---------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Mesh:
+    """This rank's view of a layout: a process group, rank and size per axis.
+
+    ``group(axis)`` is the group of ranks that differ from this one only along
+    ``axis``; ``rank(axis)`` is this rank's index in it. ``dp_group``/``dp_rank``/
+    ``dp_size`` are shorthands for the data-parallel axis.
+    """
+
+    dims: ParallelDims
+    global_rank: int
+    device_mesh: object = None
+    _groups: dict = field(default_factory=dict, repr=False)
+    _ranks: dict = field(default_factory=dict, repr=False)
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        _check_axis(axis)
+        return self._groups[axis]
+
+    def ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group along ``axis``, in axis order."""
+        _check_axis(axis)
+        return self._ranks[axis]
+
+    def rank(self, axis: str) -> int:
+        return self.ranks(axis).index(self.global_rank)
+
+    def size(self, axis: str) -> int:
+        return self.dims.size(axis)
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.group("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank("dp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.size("dp")

@@ -1,0 +1,280 @@
+"""Data parallelism: identical replicas, gradients averaged by bucketed all-reduce overlapped with backward.
+
+The design follows Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating
+Data Parallel Training" (VLDB 13(12)), which describes torch's DistributedDataParallel:
+
+* replicas start equal: parameters and buffers are broadcast from one rank (§3.2.1);
+* gradients are averaged with all-reduce over *buckets* of parameters instead of one
+  collective per tensor, because small all-reduces are latency bound (§3.2.2, Fig. 2);
+* buckets are filled in reverse registration order, roughly the order in which backward
+  produces gradients, and a bucket's all-reduce is launched from autograd hooks as soon
+  as all of its gradients are ready, so communication overlaps the rest of backward
+  (§3.2.3); buckets are launched in the same order on every rank, since collectives
+  must match across ranks;
+* parameters that receive no gradient in an iteration are reduced as zeros at the end
+  of backward so that no rank waits forever (§3.2.3, "find_unused_parameters");
+* ``no_sync`` skips synchronisation to accumulate gradients locally (§3.2.4).
+
+Semantics of unused parameters (the same as torch DDP with ``find_unused_parameters``):
+a parameter whose ``.grad`` is ``None`` on this rank contributes zeros; if it has a
+gradient on *some* rank, every rank ends with the average as its ``.grad``; if it has
+none on *any* rank its ``.grad`` stays ``None`` (so optimizers skip it, as they would
+in a single process). Each bucket carries one extra element per parameter, a "has a
+gradient" flag summed by the same all-reduce, to tell these cases apart.
+
+After synchronisation each ``param.grad`` *is* a view into its bucket (torch DDP's
+``gradient_as_bucket_view``): no copy back, and no second copy of the gradients.
+Reentrant activation checkpointing is not supported (a parameter's gradient would be
+accumulated in several inner backward passes); use ``use_reentrant=False``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+AllReduceFn = Callable[[torch.Tensor, "dist.ProcessGroup | None"], "dist.Work | None"]
+"""``fn(tensor, group) -> Work | None``: sum ``tensor`` in place over ``group``; may return
+an async handle to wait on. The one seam through which other all-reduce algorithms plug in."""
+
+
+def native_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work:
+    """The backend's own all-reduce (sum), launched asynchronously."""
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+@torch.no_grad()
+def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None = None, src: int = 0,
+                     bucket_bytes: int = 25 * 2**20) -> None:
+    """Overwrite every parameter and buffer with rank ``src``'s (a rank of ``group``).
+
+    Tensors are packed into flat buffers of at most ``bucket_bytes`` per dtype and device
+    so that a model costs a few broadcasts rather than one per tensor.
+    """
+    global_src = src if group is None else dist.get_global_rank(group, src)
+    tensors = [p.data for p in module.parameters()] + list(module.buffers())
+    for chunk in _chunks(tensors, bucket_bytes):
+        flat = torch.cat([t.reshape(-1) for t in chunk])
+        wire = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+        dist.broadcast(wire, src=global_src, group=group)
+        if dist.get_rank() != global_src:
+            for t, piece in zip(chunk, flat.split([t.numel() for t in chunk]), strict=True):
+                t.copy_(piece.view_as(t))
+
+
+def _chunks(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Split ``tensors`` into runs of one dtype and device, each closed once it reaches ``cap_bytes``."""
+    open_: dict[tuple, list[torch.Tensor]] = {}
+    sizes: dict[tuple, int] = {}
+    for t in tensors:
+        key = (t.dtype, t.device)
+        open_.setdefault(key, []).append(t)
+        sizes[key] = sizes.get(key, 0) + t.numel() * t.element_size()
+        if sizes[key] >= cap_bytes:
+            yield open_.pop(key)
+            sizes.pop(key)
+    yield from open_.values()
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """A flat buffer holding several parameters' gradients, reduced by one collective."""
+
+    index: int
+    params: list[nn.Parameter]
+    buffer: torch.Tensor
+    """``[grad_0, grad_1, ..., has_grad flags]``: the gradients, then one flag per parameter."""
+    views: list[torch.Tensor]
+    """Per parameter: its slice of ``buffer``, shaped like the parameter."""
+    flags: torch.Tensor
+    pending: int = 0
+    """Parameters whose gradient is not ready yet in this backward pass."""
+    work: dist.Work | None = None
+
+
+def _assign_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Group parameters into buckets of about ``cap_bytes``, in reverse registration order.
+
+    One bucket holds one dtype and device. A bucket is closed once it reaches the cap
+    (a parameter larger than the cap gets a bucket of its own), as torch DDP does.
+    Buckets are ordered by their first parameter, so the order is the same on every rank.
+    """
+    order = list(reversed(params))
+    buckets = list(_chunks(order, cap_bytes))
+    position = {id(p): i for i, p in enumerate(order)}
+    return sorted(buckets, key=lambda b: position[id(b[0])])
+
+
+def _weak_hook(dp: DataParallel) -> Callable[[nn.Parameter], None]:
+    """A gradient hook that does not keep ``dp`` alive: once the wrapper is gone, the module trains alone."""
+    ref = weakref.ref(dp)
+
+    def hook(param: nn.Parameter) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._on_grad_ready(param)
+
+    return hook
+
+
+class DataParallel(nn.Module):
+    """Replicate ``module`` over ``group`` and average its gradients during backward.
+
+    Usage is that of a plain module: ``loss = dp(x); loss.backward(); opt.step()``. When
+    ``backward()`` returns, every ``param.grad`` holds the average over the group, so
+    the caller can clip and step at once. Inside ``with dp.no_sync():`` backward only
+    accumulates ``.grad`` locally; the next backward outside it reduces the sum.
+
+    Wrap the model after moving it to its device (bucket buffers are allocated there),
+    and keep its parameters dense (sparse gradients are not supported).
+
+    Args:
+        module: the model; its parameters stay where they are (no copies).
+        group: the data-parallel process group (``None``: the default group).
+        bucket_mb: bucket size in MiB; smaller buckets start communicating earlier.
+        broadcast_from: rank *within group* whose weights every replica starts from.
+        all_reduce_fn: ``fn(flat, group) -> Work | None`` summing ``flat`` in place;
+            default the backend's native all-reduce. (Other algorithms plug in here.)
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0,
+                 broadcast_from: int = 0, all_reduce_fn: AllReduceFn | None = None):
+        super().__init__()
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.all_reduce_fn = all_reduce_fn or native_all_reduce
+        self.comm_bytes_last_step = 0
+        """Bytes handed to all-reduce in the last synchronisation (gradients plus flags)."""
+        self.overlapped_buckets_last_step = 0
+        """Buckets of the last synchronisation launched while backward was still running."""
+        self._sync = True
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._buckets: list[_Bucket] = []
+        self._hooks = []
+        if self.world_size == 1:
+            return  # the average over one rank is the gradient itself: nothing to do
+        broadcast_module(module, group, broadcast_from, int(bucket_mb * 2**20))
+        cap = max(int(bucket_mb * 2**20), 1)
+        for i, params in enumerate(_assign_buckets(self._params, cap)):
+            self._buckets.append(self._make_bucket(i, params))
+        self._where: dict[int, tuple[_Bucket, int]] = {}
+        for b in self._buckets:
+            for pos, p in enumerate(b.params):
+                self._where[id(p)] = (b, pos)
+                self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
+        self._reset()
+
+    def __del__(self):
+        for handle in getattr(self, "_hooks", ()):
+            handle.remove()
+
+    @staticmethod
+    def _make_bucket(index: int, params: list[nn.Parameter]) -> _Bucket:
+        numel = sum(p.numel() for p in params)
+        buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
+        views, offset = [], 0
+        for p in params:
+            views.append(buffer[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return _Bucket(index, params, buffer, views, buffer[offset:])
+
+    def forward(self, *args, **kwargs):
+        if self._buckets and self._in_backward:  # the previous backward pass died half-way
+            self._reset()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate ``.grad`` locally, without communication."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Number of gradient elements in each bucket, in launch order."""
+        return [b.buffer.numel() - len(b.params) for b in self._buckets]
+
+    # ---- during backward ---------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._in_backward = False
+        self._launched_early = 0
+        self._next_bucket = 0
+        self._ready: set[int] = set()
+        for b in self._buckets:
+            b.pending, b.work = len(b.params), None
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: stage this gradient; launch every bucket that is complete, in order."""
+        if not self._sync:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        bucket, pos = self._where[id(param)]
+        if id(param) in self._ready:
+            raise RuntimeError(
+                "DataParallel: a parameter received its gradient twice in one backward pass (reentrant activation "
+                "checkpointing?); use torch.utils.checkpoint with use_reentrant=False"
+            )
+        self._ready.add(id(param))
+        bucket.pending -= 1
+        self._stage(bucket, pos)
+        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
+            b = self._buckets[self._next_bucket]
+            b.flags.fill_(1)
+            self._launch(b)
+            self._launched_early += 1
+
+    def _stage(self, bucket: _Bucket, pos: int) -> None:
+        """Copy one parameter's gradient into its bucket, pre-divided by the group size."""
+        grad, view = bucket.params[pos].grad, bucket.views[pos]
+        if grad.data_ptr() == view.data_ptr():  # .grad is already this bucket view: scale in place
+            view.div_(self.world_size)
+        else:
+            torch.div(grad, self.world_size, out=view)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.work = self.all_reduce_fn(bucket.buffer, self.group)
+        self._next_bucket = bucket.index + 1
+
+    @torch.no_grad()
+    def _finish_backward(self) -> None:
+        """End-of-backward callback: reduce what is left, wait, and point each ``.grad`` at its average."""
+        try:
+            for b in self._buckets[self._next_bucket:]:
+                for pos, p in enumerate(b.params):
+                    if id(p) in self._ready:
+                        b.flags[pos] = 1
+                    elif p.grad is not None:  # no gradient this pass, but one accumulated earlier
+                        self._stage(b, pos)
+                        b.flags[pos] = 1
+                    else:  # no gradient at all on this rank: contribute zeros
+                        b.views[pos].zero_()
+                        b.flags[pos] = 0
+                self._launch(b)
+            for b in self._buckets:
+                if b.work is not None:
+                    b.work.wait()
+                for pos, (p, view) in enumerate(zip(b.params, b.views, strict=True)):
+                    if p.grad is None:
+                        if b.flags[pos].item() != 0:  # another rank had a gradient: take the average
+                            p.grad = view
+                        # else no rank had one: leave None, as a single process would
+                    elif p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
+            self.comm_bytes_last_step = sum(b.buffer.numel() * b.buffer.element_size() for b in self._buckets)
+            self.overlapped_buckets_last_step = self._launched_early
+        finally:
+            self._reset()

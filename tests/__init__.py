@@ -1,0 +1,1 @@
+"""shardwise's tests; a package so that spawned harness workers can import test modules by name."""

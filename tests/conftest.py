@@ -1,0 +1,22 @@
+"""Shared pytest setup: the repository root on sys.path (so ``tests.*`` modules import in
+spawned workers) and the multi-process harness shut down at the end of the session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _harness_pools():
+    """Stop the harness's worker processes when the session ends."""
+    yield
+    from tests.harness import shutdown_pools
+
+    shutdown_pools()

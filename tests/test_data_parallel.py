@@ -1,0 +1,365 @@
+"""Our DataParallel: equal to torch DDP, equal to one process, buckets, accumulation, unused parameters, overlap."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from shardwise.dist import ParallelDims
+from shardwise.parallel import DataParallel
+from tests.harness import run_on_ranks
+
+TINY_BUCKET_MB = 2e-3  # ~2 KiB: every parameter or two gets a bucket of its own
+
+
+# ---- small models -------------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    """Three linear layers; ``fc2`` can be skipped per call and ``spare`` is never used."""
+
+    def __init__(self, d_in: int = 8, hidden: int = 32, d_out: int = 4, spare: bool = False):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, d_out)
+        self.spare = nn.Linear(hidden, hidden) if spare else None
+
+    def forward(self, x, skip_fc2: bool = False):
+        h = F.gelu(self.fc1(x))
+        if not skip_fc2:
+            h = F.gelu(self.fc2(h))
+        return self.fc3(h)
+
+
+class TinyLM(nn.Module):
+    """Embedding, position table, residual MLP layers with causal mixing, tied head; a bool buffer."""
+
+    def __init__(self, vocab: int = 37, d: int = 16, n_layers: int = 3, seq: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(n_layers)
+        )
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("causal", torch.ones(seq, seq, dtype=torch.bool).tril())
+
+    def forward(self, tokens, targets):
+        t = tokens.shape[1]
+        x = self.embed(tokens) + self.pos[:t]
+        mix = self.causal[:t, :t].float()
+        mix = mix / mix.sum(-1, keepdim=True)
+        for layer in self.layers:
+            x = x + layer(mix @ x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _transformer():
+    from shardwise.config import Config
+    from shardwise.model import Transformer
+
+    cfg = Config.load(overrides={"model.preset": "tiny"}).resolve(world_size=1, tokenizer_vocab=257).model
+    return Transformer(cfg)
+
+
+def _has_transformer() -> bool:
+    try:
+        from shardwise.model import Transformer  # noqa: F401
+    except Exception:  # noqa: BLE001 - written concurrently; optional here
+        return False
+    return True
+
+
+def build(kind: str, seed: int = 0, **kw) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        return MLP(**kw)
+    if kind == "tinylm":
+        return TinyLM(**kw)
+    model = _transformer()
+    model.reset_parameters(seed)
+    return model
+
+
+def global_batch(kind: str, step: int, size: int):
+    """The same global batch on every rank (and in the single-process reference)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "mlp":
+        return torch.randn(size, 8, generator=g), torch.randn(size, 4, generator=g)
+    vocab, seq = (37, 8) if kind == "tinylm" else (257, 16)
+    tokens = torch.randint(0, vocab, (size, seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_of(net, kind: str, x, y, **kw):
+    if kind == "mlp":
+        return F.mse_loss(net(x, **kw), y)
+    return net(x, y)
+
+
+def shard(batch, rank: int, world: int):
+    return tuple(t.chunk(world)[rank] for t in batch)
+
+
+def _rank_world():
+    return dist.get_rank(), dist.get_world_size()
+
+
+# ---- our gradients == torch DDP's ----------------------------------------------------------------
+
+
+def _compare_with_torch_ddp(kind: str, bucket_mb: float, unused: str = "none", steps: int = 3,
+                            set_to_none: bool = True):
+    """Run ours and torch DDP side by side on identical replicas and data; return the largest grad difference.
+
+    unused: "none"; "all" (MLP.spare never used); "rank1" (fc2 skipped on rank 1 only).
+    set_to_none=False keeps .grad tensors between steps (ours then accumulates into its bucket views).
+    """
+    rank, world = _rank_world()
+    spare = {"spare": True} if unused == "all" else {}
+    ours_model = build(kind, **spare)
+    ref_model = copy.deepcopy(ours_model)
+    ours = DataParallel(ours_model, bucket_mb=bucket_mb)
+    ref = DDP(ref_model, bucket_cap_mb=bucket_mb, find_unused_parameters=unused != "none")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours_model, ref_model)]
+    worst, none_pattern = 0.0, []
+    for step in range(steps):
+        x, y = shard(global_batch(kind, step, 8), rank, world)
+        kw = {"skip_fc2": rank == 1} if unused == "rank1" else {}
+        for net, opt in zip((ours, ref), opts, strict=True):
+            opt.zero_grad(set_to_none=set_to_none)
+            loss_of(net, kind, x, y, **kw).backward()
+        for (name, a), b in zip(ours_model.named_parameters(), ref_model.parameters(), strict=True):
+            assert (a.grad is None) == (b.grad is None), f"{name}: ours {a.grad is None}, DDP {b.grad is None}"
+            if a.grad is None:
+                none_pattern.append(name)
+                continue
+            worst = max(worst, (a.grad - b.grad).abs().max().item())
+        for opt in opts:
+            opt.step()
+    return worst, sorted(set(none_pattern)), len(ours.bucket_sizes)
+
+
+@pytest.mark.parametrize(
+    "kind, bucket_mb, set_to_none",
+    [("mlp", 25.0, True), ("tinylm", 25.0, True), ("tinylm", TINY_BUCKET_MB, True), ("tinylm", TINY_BUCKET_MB, False)],
+)
+def test_gradients_equal_torch_ddp(kind, bucket_mb, set_to_none):
+    results = run_on_ranks(2, _compare_with_torch_ddp, kind, bucket_mb, set_to_none=set_to_none)
+    for worst, nones, n_buckets in results:
+        assert worst == 0.0  # same arithmetic: divide by 2 (exact) and a two-term sum
+        assert nones == []
+        assert n_buckets == (1 if bucket_mb == 25.0 else n_buckets) and n_buckets >= 1
+
+
+@pytest.mark.parametrize("unused", ["all", "rank1"])
+def test_unused_parameters_match_torch_ddp(unused):
+    """No hang; unused everywhere -> .grad stays None (as in DDP); unused on one rank -> the average."""
+    for worst, nones, _ in run_on_ranks(2, _compare_with_torch_ddp, "mlp", TINY_BUCKET_MB, unused):
+        assert worst == 0.0
+        assert nones == (["spare.bias", "spare.weight"] if unused == "all" else [])
+
+
+# ---- data parallel == one process --------------------------------------------------------------
+
+
+def train(kind: str, opt_name: str, steps: int, batch: int, bucket_mb: float = 25.0, accum: int = 1,
+          distributed: bool = True, set_to_none: bool = True):
+    """``steps`` optimizer steps on a fixed global batch sequence; returns (per-step mean losses, final weights)."""
+    rank, world = _rank_world() if distributed else (0, 1)
+    model = build(kind)
+    net = DataParallel(model, bucket_mb=bucket_mb) if distributed else model
+    if opt_name == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = shard(global_batch(kind, step, batch), rank, world)
+        opt.zero_grad(set_to_none=set_to_none)
+        total = torch.zeros(())
+        for i, (mx, my) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
+            quiet = distributed and i < accum - 1
+            with net.no_sync() if quiet else contextlib.nullcontext():
+                loss = loss_of(net, kind, mx, my) / accum
+                loss.backward()
+            total += loss.detach()
+        if distributed:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+        opt.step()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_same_training(results, reference, atol):
+    ref_losses, ref_weights = reference
+    for rank, (losses, weights) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=atol, rtol=0,
+                                   msg=lambda m, r=rank: f"rank {r} losses: {m}")
+        for name, w in weights.items():
+            torch.testing.assert_close(w, ref_weights[name], atol=atol, rtol=0,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+        for name, w in weights.items():  # replicas stay bit-identical
+            assert torch.equal(w, results[0][1][name]), name
+
+
+@pytest.mark.parametrize(
+    "world, kind, opt_name",
+    [(2, "mlp", "sgd"), (2, "tinylm", "adamw"), (4, "mlp", "adamw"), (4, "tinylm", "sgd")],
+)
+def test_trains_like_one_process(world, kind, opt_name):
+    results = run_on_ranks(world, train, kind, opt_name, 10, 8)
+    _assert_same_training(results, train(kind, opt_name, 10, 8, distributed=False), atol=1e-5)
+
+
+@pytest.mark.skipif(not _has_transformer(), reason="shardwise.model.Transformer not available")
+def test_transformer_trains_like_one_process():
+    results = run_on_ranks(2, train, "transformer", "adamw", 4, 4, TINY_BUCKET_MB * 50)
+    _assert_same_training(results, train("transformer", "adamw", 4, 4, distributed=False), atol=1e-5)
+
+
+def test_many_small_buckets_equal_one_big_bucket():
+    small = run_on_ranks(2, train, "tinylm", "adamw", 5, 8, TINY_BUCKET_MB)
+    big = run_on_ranks(2, train, "tinylm", "adamw", 5, 8, 25.0)
+    for (ls, ws), (lb, wb) in zip(small, big, strict=True):
+        assert ls == lb
+        assert all(torch.equal(ws[k], wb[k]) for k in ws)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradient_accumulation_trains_like_one_process(set_to_none):
+    results = run_on_ranks(2, train, "tinylm", "adamw", 4, 12, TINY_BUCKET_MB, 3, set_to_none=set_to_none)
+    _assert_same_training(results, train("tinylm", "adamw", 4, 12, distributed=False), atol=1e-5)
+
+
+def _accumulation_vs_concatenated(k: int):
+    """k micro-batches (no_sync for the first k-1) vs one backward on their concatenation."""
+    rank, world = _rank_world()
+    calls = []
+
+    def counting_all_reduce(t, group):
+        calls.append(t.numel())
+        return dist.all_reduce(t, group=group, async_op=True)
+
+    a, b = build("tinylm"), build("tinylm")
+    dp_a = DataParallel(a, bucket_mb=TINY_BUCKET_MB, all_reduce_fn=counting_all_reduce)
+    dp_b = DataParallel(b, bucket_mb=TINY_BUCKET_MB)
+    x, y = shard(global_batch("tinylm", 0, 4 * k), rank, world)
+    calls_in_no_sync = 0
+    for i, (mx, my) in enumerate(zip(x.chunk(k), y.chunk(k), strict=True)):
+        with dp_a.no_sync() if i < k - 1 else contextlib.nullcontext():
+            (loss_of(dp_a, "tinylm", mx, my) / k).backward()
+        if i == k - 2:
+            calls_in_no_sync = len(calls)
+    loss_of(dp_b, "tinylm", x, y).backward()
+    worst = max((pa.grad - pb.grad).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
+    return worst, calls_in_no_sync, len(calls), len(dp_a.bucket_sizes)
+
+
+def test_no_sync_accumulation_equals_concatenated_batch():
+    for worst, quiet_calls, total_calls, n_buckets in run_on_ranks(2, _accumulation_vs_concatenated, 3):
+        assert worst < 1e-6
+        assert quiet_calls == 0  # nothing communicated inside no_sync
+        assert total_calls == n_buckets > 1
+
+
+# ---- broadcast, groups, one rank -----------------------------------------------------------------
+
+
+def _broadcast_initial_weights(src: int):
+    rank, _ = _rank_world()
+    model = build("tinylm", seed=100 + rank)  # every rank starts different
+    model.causal.fill_(rank == src)  # a bool buffer that differs too
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    DataParallel(model, broadcast_from=src)
+    return before, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("src", [0, 1])
+def test_initial_weights_are_broadcast(src):
+    results = run_on_ranks(2, _broadcast_initial_weights, src)
+    source_before = results[src][0]
+    assert not torch.equal(results[0][0]["embed.weight"], results[1][0]["embed.weight"])
+    for _, after in results:
+        assert all(torch.equal(after[k], source_before[k]) for k in after)
+
+
+def _data_parallel_over_mesh_dp_group():
+    """4 ranks as dp=2 x tp=2: DataParallel over mesh.dp_group averages over dp peers only."""
+    mesh = ParallelDims(dp=2, tp=2).build("cpu")
+    model = build("mlp", seed=7 + mesh.global_rank)
+    dp = DataParallel(model, group=mesh.dp_group, broadcast_from=1)
+    x, y = shard(global_batch("mlp", 0, 8), mesh.dp_rank, 2)
+    loss_of(dp, "mlp", x, y).backward()
+    ref = build("mlp", seed=7 + mesh.ranks("dp")[1])  # weights of the dp group's rank 1
+    local = []
+    for r in range(2):
+        ref.zero_grad()
+        loss_of(ref, "mlp", *shard(global_batch("mlp", 0, 8), r, 2)).backward()
+        local.append([p.grad.clone() for p in ref.parameters()])
+    expected = [(g0 + g1) / 2 for g0, g1 in zip(*local, strict=True)]
+    return max((p.grad - e).abs().max().item() for p, e in zip(model.parameters(), expected, strict=True))
+
+
+def test_data_parallel_over_a_mesh_subgroup():
+    assert max(run_on_ranks(4, _data_parallel_over_mesh_dp_group)) < 1e-6
+
+
+def _one_rank_is_plain_training():
+    a, b = build("tinylm"), build("tinylm")
+    dp = DataParallel(a)
+    x, y = global_batch("tinylm", 0, 4)
+    loss_of(dp, "tinylm", x, y).backward()
+    loss_of(b, "tinylm", x, y).backward()
+    same = all(torch.equal(pa.grad, pb.grad) for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
+    return same, dp.comm_bytes_last_step, dp.bucket_sizes
+
+
+def test_one_rank_group_is_a_no_op():
+    assert run_on_ranks(1, _one_rank_is_plain_training) == [(True, 0, [])]
+
+
+# ---- overlap ------------------------------------------------------------------------------------
+
+
+def _launch_and_hook_order():
+    """Record when each gradient becomes ready and when each bucket's all-reduce is launched."""
+    events = []
+
+    def recording_all_reduce(t, group):
+        events.append(("launch", t.numel()))
+        return dist.all_reduce(t, group=group, async_op=True)
+
+    model = build("tinylm")
+    dp = DataParallel(model, bucket_mb=TINY_BUCKET_MB, all_reduce_fn=recording_all_reduce)
+    for name, p in model.named_parameters():  # registered after ours, so they run right after it
+        p.register_post_accumulate_grad_hook(lambda p, n=name: events.append(("grad", n)))
+    x, y = global_batch("tinylm", dist.get_rank(), 4)
+    loss_of(dp, "tinylm", x, y).backward()
+    n_params = sum(1 for _ in model.parameters())
+    return events, dp.bucket_sizes, n_params, dp.overlapped_buckets_last_step, dp.comm_bytes_last_step
+
+
+def test_all_reduce_overlaps_backward():
+    for events, sizes, n_params, overlapped, comm_bytes in run_on_ranks(2, _launch_and_hook_order):
+        kinds = [k for k, _ in events]
+        assert kinds.count("grad") == n_params and kinds.count("launch") == len(sizes) > 3
+        first_launch, last_grad = kinds.index("launch"), len(kinds) - 1 - kinds[::-1].index("grad")
+        assert first_launch < last_grad, "no bucket was launched before backward produced its last gradient"
+        assert overlapped >= 1
+        # buckets go out in bucket order (the same on every rank); each carries one flag per parameter
+        launched = [n for k, n in events if k == "launch"]
+        assert len(launched) == len(sizes) and all(n > s for n, s in zip(launched, sizes, strict=True))
+        assert comm_bytes == 4 * sum(launched)
