@@ -111,7 +111,7 @@ class TrainConfig:
     """Clip gradients to this global L2 norm (0 = no clipping)."""
     seed: int = 1337
     """Seeds weight initialisation, data order and dropout; the same for every layout."""
-    precision: str = "fp32"
+    precision: str = "bf16"
     """"fp32", "bf16" (autocast) or "fp16" (autocast with a dynamic loss scaler). Master weights are fp32."""
     fp16_init_scale: float = 2.0**16
     """Initial loss scale for fp16."""

@@ -1,0 +1,148 @@
+"""The ``shardwise`` command: train, generate, plot, config show.
+
+Any config field can be given as ``--section.key VALUE`` after the subcommand's own options.
+Errors from bad input print one line and exit 2; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+from shardwise.config import Config, ConfigError
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Separate ``--section.key VALUE`` / ``--section.key=VALUE`` pairs from the other arguments.
+
+    A dotted flag with no value (followed by another flag or nothing) means ``true``."""
+    rest, overrides = [], {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "." in arg.split("=", 1)[0]:
+            key, eq, value = arg[2:].partition("=")
+            if not eq:
+                if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                    value = argv[i + 1]
+                    i += 1
+                else:
+                    value = "true"
+            overrides[key] = value
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a model (default: a small GPT on the Python standard library)")
+    p.add_argument("config", nargs="?", help="TOML config file")
+    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+
+    p = sub.add_parser("generate", help="sample text from a trained run")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", type=Path, help="a checkpoint directory (default: the newest valid one)")
+
+    p = sub.add_parser("plot", help="plot loss and throughput of one or more runs")
+    p.add_argument("run_dirs", nargs="+", type=Path)
+    p.add_argument("--out", type=Path, help="PNG file (default: RUN_DIR/plot.png of the first run)")
+
+    p = sub.add_parser("config", help="show the resolved config")
+    p.add_argument("action", choices=["show"])
+    p.add_argument("config", nargs="?", help="TOML config file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest, overrides = split_overrides(argv)
+    debug = "--debug" in rest  # accepted anywhere on the line, not only before the subcommand
+    args = build_parser().parse_args([a for a in rest if a != "--debug"])
+    args.debug = debug
+    if overrides and args.command not in ("train", "config"):
+        print(f"error: config overrides are not accepted by `shardwise {args.command}`", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[args.command](args, overrides)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the one place that turns errors into exit codes
+        return _report(e, args.debug)
+
+
+def _report(error: Exception, debug: bool) -> int:
+    from shardwise.launch import WorkerFailed
+
+    if debug:
+        traceback.print_exc()
+        if isinstance(error, WorkerFailed) and error.traceback_text:
+            print(error.traceback_text, file=sys.stderr)
+    known = _known_errors()
+    if isinstance(error, known):
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not debug:
+        print(f"error: {type(error).__name__}: {error} (run with --debug for the traceback)", file=sys.stderr)
+    return 1
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from shardwise.data import DataError
+    from shardwise.launch import WorkerFailed
+    from shardwise.train.checkpoint import CheckpointError
+
+    return (ConfigError, DataError, CheckpointError, WorkerFailed, FileNotFoundError)
+
+
+def cmd_train(args, overrides: dict[str, str]) -> int:
+    from shardwise.launch import launch
+
+    if args.resume:
+        overrides["ckpt.resume"] = "true"
+    cfg = Config.load(args.config, overrides)
+    run_dir = launch(cfg, debug=args.debug)
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def cmd_generate(args, _overrides) -> int:
+    from shardwise.generate_run import generate_from_run
+
+    text = generate_from_run(args.run_dir, args.prompt, args.max_new_tokens, args.temperature,
+                             args.top_k, args.seed, args.checkpoint)
+    print(args.prompt + text)
+    return 0
+
+
+def cmd_plot(args, _overrides) -> int:
+    from shardwise.plot import plot_runs
+
+    out = args.out or (args.run_dirs[0] / "plot.png")
+    path = plot_runs(list(args.run_dirs), out)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_config(args, overrides: dict[str, str]) -> int:
+    cfg = Config.load(args.config, overrides)
+    print(cfg.resolve().to_toml(), end="")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "plot": cmd_plot, "config": cmd_config}
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Start a training run: validate, prepare data once, then spawn the workers.
+
+The order is the promise that bad input loses nothing: the whole config is validated and the
+corpus tokenized in this (parent) process before any worker starts. Workers are spawned through
+torch's elastic launcher (torchrun semantics: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT);
+on several machines run ``torchrun --nnodes ... -m shardwise.train`` instead, which enters
+:func:`shardwise.train.__main__.main` on every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import uuid
+from pathlib import Path
+
+from shardwise.config import Config, ConfigError
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process raised; the message is the failing rank's exception line."""
+
+    def __init__(self, message: str, traceback_text: str = ""):
+        super().__init__(message)
+        self.traceback_text = traceback_text
+
+
+def resolve_run_dir(cfg: Config) -> Path:
+    """The run directory: ``run.dir`` if set; for a resume without one, ``runs/latest``;
+    otherwise a new ``runs/<preset>-<date>-<time>``."""
+    if cfg.run.dir:
+        return Path(cfg.run.dir)
+    latest = Path("runs") / "latest"
+    if cfg.ckpt.resume:
+        if not latest.exists():
+            raise ConfigError("ckpt.resume=true but run.dir is not set and runs/latest does not exist; give --run.dir")
+        return latest.resolve()
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{cfg.model.preset}-{stamp}"
+
+
+def prepare_run(cfg: Config, world_size: int | None = None) -> tuple[Config, Path]:
+    """Validate ``cfg``, tokenize its corpus (cached) and write the resolved config into the run dir."""
+    from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus
+
+    checked = cfg.resolve(world_size=world_size)  # fail fast, before any tokenization
+    run_dir = resolve_run_dir(checked)
+    corpus = prepare_corpus(checked.data, None)
+    resolved = cfg.resolve(world_size=world_size, tokenizer_vocab=corpus.vocab_size)
+    # The corpus must hold at least one global batch of windows: checked here, not in every worker.
+    windows = TokenWindows(corpus.train_path, resolved.data.seq_len)
+    DistributedWindowSampler(len(windows), resolved.train.global_batch, resolved.train.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_corpus(checked.data, run_dir)  # a cache hit that copies the tokenizer into the run
+    resolved.run.dir = str(run_dir)
+    (run_dir / "config.toml").write_text(resolved.to_toml())
+    if not cfg.run.dir and run_dir.parent == Path("runs"):
+        _point_latest(run_dir)
+    return resolved, run_dir
+
+
+def launch(cfg: Config, debug: bool = False) -> Path:
+    """Run the training job of ``cfg`` on ``parallel.nproc`` local workers; returns the run dir."""
+    if cfg.parallel.nnodes != 1:
+        raise ConfigError(
+            f"parallel.nnodes={cfg.parallel.nnodes}: `shardwise train` starts workers on this machine only; "
+            "on several machines run `torchrun --nnodes N --nproc-per-node M ... -m shardwise.train CONFIG` on each"
+        )
+    resolved, run_dir = prepare_run(cfg)
+    nproc = resolved.parallel.nproc
+    if nproc == 1:
+        from shardwise.train.loop import train
+
+        train(resolved, run_dir)
+        return run_dir
+    _spawn(resolved, run_dir, nproc, debug)
+    return run_dir
+
+
+def _spawn(cfg: Config, run_dir: Path, nproc: int, debug: bool) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch_cfg = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if not debug:  # the launcher's own log lines repeat the worker's error; WorkerFailed says it once
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        elastic_launch(launch_cfg, worker_entry)(cfg.to_dict(), str(run_dir))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        message, trace = _failure_text(failure)
+        raise WorkerFailed(f"worker rank {rank} failed: {message}", trace) from None
+
+
+def worker_entry(cfg_tree: dict, run_dir: str) -> None:
+    """Body of each spawned worker (module-level so the spawn start method can import it)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from shardwise.train.loop import train
+
+    record(lambda: train(Config.from_dict(cfg_tree), Path(run_dir)))()
+
+
+def _failure_text(failure) -> tuple[str, str]:
+    msg = failure.message
+    if isinstance(msg, dict):
+        inner = msg.get("message", msg)
+        text = inner.get("message", str(inner)) if isinstance(inner, dict) else str(inner)
+        trace = inner.get("extraInfo", {}).get("py_callstack", "") if isinstance(inner, dict) else ""
+        return text.strip().splitlines()[-1] if text.strip() else "unknown error", trace
+    if isinstance(msg, str) and msg.strip():
+        return msg.strip().splitlines()[-1], msg
+    return f"exit code {failure.exitcode}", ""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _point_latest(run_dir: Path) -> None:
+    latest = run_dir.parent / "latest"
+    tmp = run_dir.parent / f".latest-{os.getpid()}"
+    try:
+        if tmp.is_symlink():
+            tmp.unlink()
+        tmp.symlink_to(run_dir.name)
+        os.replace(tmp, latest)
+    except OSError:
+        pass  # a convenience link only

@@ -1,0 +1,199 @@
+"""The training loop: one function run by every worker process.
+
+config → mesh → model → parallelize → loop → metrics / checkpoints. Every layout trains the
+same model as a single process given the same seed and global batch: the data order is a
+function of the optimizer step only (see ``DistributedWindowSampler``), initialisation depends
+only on the seed, and the loss of a step is the mean over the whole global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config import Config
+from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus, val_indices
+from shardwise.dist.mesh import ParallelDims, init_distributed
+from shardwise.model import Transformer
+from shardwise.parallel.data import DataParallel
+from shardwise.train import state as train_state
+from shardwise.train.checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
+from shardwise.train.flops import peak_flops, training_flops_per_token
+from shardwise.train.metrics import MetricsLogger, process_memory_bytes
+from shardwise.train.optim import build_optimizer, lr_at, set_lr
+from shardwise.train.precision import DynamicLossScaler, autocast_context
+from shardwise.train.recompute import apply_activation_checkpointing
+
+
+@dataclass
+class TrainResult:
+    """What a finished run returns to its caller (tests compare these across layouts)."""
+
+    losses: list[float]
+    val_loss: float | None
+    final_step: int
+    state_dict: dict[str, torch.Tensor]
+
+
+def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: int | None = None) -> TrainResult:
+    """Train according to ``cfg`` (already resolved) in the current process.
+
+    Joins the default process group if one exists (torchrun, the launcher or the test
+    harness made it), otherwise creates a one-process group. ``collect_state`` returns the final
+    weights; ``stop_after`` ends the run after that optimizer step as an interruption would
+    (the schedule still spans ``train.steps``), for resume tests.
+    """
+    rank, world, _local_rank, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    mesh = dims.build(device.type)
+    dp_group, dp_rank, dp_size = mesh.dp_group, mesh.dp_rank, mesh.dp_size
+    run_dir = Path(run_dir)
+    tcfg = cfg.train
+
+    # Data: the parent process prepared the cache; here it is a cache hit (rank 0 first, for plain torchrun).
+    if rank == 0:
+        corpus = prepare_corpus(cfg.data, run_dir)
+    dist.barrier()
+    if rank != 0:
+        corpus = prepare_corpus(cfg.data, run_dir)
+    train_windows = TokenWindows(corpus.train_path, cfg.data.seq_len)
+    val_windows = TokenWindows(corpus.val_path, cfg.data.seq_len)
+    sampler = DistributedWindowSampler(len(train_windows), tcfg.global_batch, tcfg.seed, dp_rank, dp_size)
+
+    # Model: identical on every rank from the seed; DataParallel also broadcasts rank 0's copy.
+    torch.manual_seed(tcfg.seed)
+    model = Transformer(cfg.model)
+    model.reset_parameters(tcfg.seed)
+    if tcfg.recompute == "full":
+        apply_activation_checkpointing(model.blocks, tcfg.recompute_every)
+    model.to(device)
+    ddp = DataParallel(model, group=dp_group, bucket_mb=cfg.parallel.bucket_mb)
+    optimizer = build_optimizer(model, tcfg)
+    scaler = DynamicLossScaler(tcfg.fp16_init_scale, growth_interval=tcfg.fp16_growth_interval) \
+        if tcfg.precision == "fp16" else None
+
+    start_step = 0
+    log = MetricsLogger(run_dir, enabled=rank == 0, total_steps=tcfg.steps,
+                        tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
+    ckpt_root = run_dir / "checkpoints"
+    if cfg.ckpt.resume:
+        found = latest_valid_checkpoint(ckpt_root, warn=log.log_event if rank == 0 else (lambda _m: None))
+        if found is not None:
+            tensors, meta = load_checkpoint(found)
+            start_step = train_state.restore(tensors, meta, model, optimizer, scaler, sampler, rank)
+            log.log_event(f"resumed from {found} at step {start_step}")
+        else:
+            log.log_event(f"no valid checkpoint in {ckpt_root}; starting from step 0")
+    log.start_step = start_step
+
+    n_params = model.num_parameters()
+    flops_per_token = training_flops_per_token(cfg.model, model.num_parameters(exclude_embeddings=True),
+                                               cfg.data.seq_len)
+    peak = peak_flops(device, tcfg.precision, tcfg.peak_flops)
+    tokens_per_step = tcfg.global_batch * cfg.data.seq_len
+    if rank == 0:
+        log.log_event(
+            f"model {cfg.model.preset} ({cfg.model.flavor}): {n_params / 1e6:.2f}M parameters; "
+            f"dp={dp_size}, global batch {tcfg.global_batch} = micro {tcfg.micro_batch} x accum "
+            f"{tcfg.grad_accum} x dp {dp_size}; {len(train_windows)} training windows of {cfg.data.seq_len} tokens"
+        )
+
+    losses: list[float] = []
+    val_loss = None
+    done = start_step
+    for step in range(start_step, tcfg.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, tcfg)
+        set_lr(optimizer, lr)
+        micro_batches = sampler.micro_batches(step, tcfg.micro_batch)
+        loss_sum = torch.zeros((), device=device)
+        for i, ids in enumerate(micro_batches):
+            x, y = train_windows.batch(ids)
+            x, y = x.to(device), y.to(device)
+            last = i == len(micro_batches) - 1
+            with ddp.no_sync() if not last else contextlib.nullcontext():
+                with autocast_context(tcfg.precision, device.type):
+                    loss = ddp(x, y)
+                loss_sum += loss.detach()
+                scaled = loss / len(micro_batches)
+                (scaler.scale_loss(scaled) if scaler else scaled).backward()
+
+        found_inf = scaler.unscale_(model.parameters()) if scaler else False
+        grad_norm = _clip_grad_norm(model, tcfg.grad_clip)
+        if not found_inf:
+            optimizer.step()
+        if scaler:
+            scaler.update(found_inf)
+        optimizer.zero_grad(set_to_none=True)
+
+        step_loss = loss_sum / len(micro_batches)
+        dist.all_reduce(step_loss, op=dist.ReduceOp.SUM, group=dp_group)
+        step_loss = step_loss.item() / dp_size
+        losses.append(step_loss)
+        elapsed = time.perf_counter() - t0
+        tokens_per_s = tokens_per_step / elapsed
+        metrics = {
+            "loss": step_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+            "step_time_s": elapsed, "mfu": tokens_per_s * flops_per_token / (peak * world) if peak else 0.0,
+            "comm_bytes": float(ddp.comm_bytes_last_step),
+        }
+        if scaler:
+            metrics.update(loss_scale=scaler.scale, skipped_steps=float(scaler.skipped_steps))
+        done = step + 1
+        if done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
+            val_loss = evaluate(ddp, val_windows, tcfg, dp_rank, dp_size, dp_group, device)
+            metrics["val_loss"] = val_loss
+        if done == tcfg.steps or done % 10 == 0 or done == 1:
+            metrics.update({f"mem_{k}": float(v) for k, v in process_memory_bytes().items()})
+        log.log(done, metrics)
+        if not math.isfinite(step_loss) and scaler is None:
+            raise FloatingPointError(f"loss became {step_loss} at step {done}; lower train.lr or use train.grad_clip")
+        if done == tcfg.steps or (cfg.ckpt.every and done % cfg.ckpt.every == 0):
+            _save(cfg, ckpt_root, done, model, optimizer, scaler, sampler, rank)
+        if stop_after is not None and done >= stop_after:
+            break
+    log.close()
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if collect_state else {}
+    return TrainResult(losses=losses, val_loss=val_loss, final_step=done, state_dict=state)
+
+
+def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Global L2 norm of the (already data-parallel-averaged) gradients, clipped to ``max_norm``."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+    return float(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
+
+
+@torch.no_grad()
+def evaluate(ddp, windows: TokenWindows, tcfg, dp_rank: int, dp_size: int, group, device) -> float:
+    """Mean validation loss over a fixed set of held-out windows, split across data-parallel ranks."""
+    ddp.module.eval()
+    ids = val_indices(len(windows), tcfg.eval_batches * tcfg.micro_batch, dp_rank, dp_size)
+    total = torch.zeros(2, device=device, dtype=torch.float64)
+    for start in range(0, len(ids), tcfg.micro_batch):
+        x, y = windows.batch(ids[start:start + tcfg.micro_batch])
+        with autocast_context(tcfg.precision, device.type):
+            loss = ddp.module(x.to(device), y.to(device))
+        total[0] += loss.double() * x.shape[0]
+        total[1] += x.shape[0]
+    dist.all_reduce(total, group=group)
+    ddp.module.train()
+    return float(total[0] / total[1]) if total[1] else float("nan")
+
+
+def _save(cfg, root, step, model, optimizer, scaler, sampler, rank) -> None:
+    """Rank 0 writes the checkpoint (data-parallel replicas are identical); RNG states of all ranks are kept."""
+    rng_states = train_state.gather_rng_states()
+    if rank == 0:
+        tensors, meta = train_state.capture(model, optimizer, scaler, sampler, step, rng_states, cfg)
+        save_checkpoint(root, step, tensors, meta, keep=cfg.ckpt.keep)
+    dist.barrier()
