@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dirs", nargs="+", type=Path)
     p.add_argument("--out", type=Path, help="PNG file (default: RUN_DIR/plot.png of the first run)")
 
+    p = sub.add_parser("plan", help="predict memory, FLOPs, communication and time; search layouts", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("bench", help="benchmarks, e.g. `shardwise bench comm`", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+
     p = sub.add_parser("config", help="show the resolved config")
     p.add_argument("action", choices=["show"])
     p.add_argument("config", nargs="?", help="TOML config file")
@@ -71,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in rest  # accepted anywhere on the line, not only before the subcommand
     args = build_parser().parse_args([a for a in rest if a != "--debug"])
     args.debug = debug
-    if overrides and args.command not in ("train", "config"):
+    if overrides and args.command not in ("train", "config", "plan"):
         print(f"error: config overrides are not accepted by `shardwise {args.command}`", file=sys.stderr)
         return 2
     try:
@@ -142,7 +148,26 @@ def cmd_config(args, overrides: dict[str, str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "plot": cmd_plot, "config": cmd_config}
+def cmd_plan(args, overrides: dict[str, str]) -> int:
+    """Delegates to shardwise.plan.cli.main(argv, overrides) -> exit code."""
+    from shardwise.plan.cli import main as plan_main
+
+    return plan_main(args.args, overrides)
+
+
+def cmd_bench(args, _overrides) -> int:
+    """``shardwise bench comm ...`` delegates to shardwise.dist.comm.bench.main(argv) -> exit code."""
+    benches = {"comm": "shardwise.dist.comm.bench"}
+    if not args.args or args.args[0] not in benches:
+        print(f"usage: shardwise bench {{{','.join(benches)}}} [options]", file=sys.stderr)
+        return 2
+    import importlib
+
+    return importlib.import_module(benches[args.args[0]]).main(args.args[1:])
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "plot": cmd_plot, "config": cmd_config,
+            "plan": cmd_plan, "bench": cmd_bench}
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -13,12 +13,13 @@ import dataclasses
 import difflib
 import math
 import os
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from shardwise.model.presets import PRESET_NAMES, PRESETS
 
