@@ -115,7 +115,8 @@ def test_stop_and_resume_is_bit_identical(single_process, tmp_path, cache_dir):
     overrides = {"ckpt.every": 3, "ckpt.keep": 5}
     uninterrupted = run(tmp_path, cache_dir, "full", 2, **overrides)
     run(tmp_path, cache_dir, "resumed", 2, stop_after=6, **overrides)
-    assert [p.name for p in list_checkpoints(tmp_path / "resumed" / "checkpoints")] == ["step_00000003", "step_00000006"]
+    saved = [p.name for p in list_checkpoints(tmp_path / "resumed" / "checkpoints")]
+    assert saved == ["step_00000003", "step_00000006"]
     resumed = run(tmp_path, cache_dir, "resumed", 2, **overrides, **{"ckpt.resume": "true"})
     assert resumed[0] == uninterrupted[0][6:]
     for key, value in uninterrupted[1].items():
