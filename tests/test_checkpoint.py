@@ -16,11 +16,10 @@ from shardwise.train.checkpoint import (
     latest_valid_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    optimizer_state_from_tensors,
-    optimizer_state_to_tensors,
     save_checkpoint,
     verify_checkpoint,
 )
+from shardwise.train.optim_state import optimizer_state_from_tensors, optimizer_state_to_tensors
 
 
 class TinyLM(nn.Module):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.train.checkpoint import CheckpointError, optimizer_state_from_tensors, optimizer_state_to_tensors
+from shardwise.train.checkpoint import CheckpointError
+from shardwise.train.optim_state import optimizer_state_from_tensors, optimizer_state_to_tensors
 
 
 def gather_rng_states() -> list[torch.Tensor]:
