@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +124,11 @@ def test_config_show_prints_resolved_toml(capsys):
     assert main(["config", "show", "--model.preset", "tiny"]) == 0
     out = capsys.readouterr().out
     assert 'preset = "tiny"' in out and "d_model = 64" in out
+
+
+SHIPPED_CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+    Config.load(path).resolve(tokenizer_vocab=4096 if "bpe" in path.read_text() else 257)
