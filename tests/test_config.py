@@ -132,3 +132,12 @@ SHIPPED_CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml
 @pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_are_valid(path):
     Config.load(path).resolve(tokenizer_vocab=4096 if "bpe" in path.read_text() else 257)
+
+
+def test_device_picks_the_backend():
+    assert resolve(run__device="cpu").parallel.backend == "gloo"
+    with pytest.raises(ConfigError, match="needs GPUs"):
+        resolve(run__device="cpu", parallel__backend="nccl")
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(ConfigError, match="no GPU is visible"):
+            resolve(run__device="cuda")

@@ -189,7 +189,7 @@ class RunConfig:
     dir: str = ""
     """Run directory; default runs/<preset>-<date>-<time> (with runs/latest pointing at it)."""
     device: str = "auto"
-    """"auto" (cuda if available), "cpu" or "cuda"."""
+    """"auto" (cuda if available), "cpu" (gloo workers, 2 by default) or "cuda" (nccl, one worker per GPU)."""
     progress: bool = True
     """Show a progress bar on the terminal."""
     tensorboard: bool = True
@@ -271,6 +271,7 @@ class Config:
         )
         _resolve_model(cfg.model, tokenizer_vocab)
         _resolve_data(cfg)
+        _resolve_device(cfg.run, cfg.parallel)
         _resolve_parallel(cfg.parallel, world_size)
         _resolve_batch(cfg.train, cfg.parallel.dp)
         _validate_train(cfg.train)
@@ -425,6 +426,23 @@ def _resolve_data(cfg: Config) -> None:
     _positive("data.max_bytes", d.max_bytes, allow_zero=True)
 
 
+def _resolve_device(r: RunConfig, p: ParallelConfig) -> None:
+    """run.device picks the backend (cpu: gloo, cuda: nccl) and the default number of workers."""
+    _choice("run.device", r.device, ("auto", "cpu", "cuda"))
+    _choice("parallel.backend", p.backend, ("auto", "nccl", "gloo"))
+    if r.device == "cpu":
+        if p.backend == "nccl":
+            raise ConfigError("parallel.backend='nccl' needs GPUs but run.device='cpu'; use 'gloo' or 'auto'")
+        p.backend = "gloo"
+        if p.nproc is None:
+            p.nproc = 2
+    elif r.device == "cuda":
+        if not _cuda_available():
+            raise ConfigError("run.device='cuda' but no GPU is visible; use 'cpu' or 'auto'")
+        if p.backend == "auto":
+            p.backend = "nccl"
+
+
 def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
     if p.nproc is None:
         p.nproc = default_nproc()
@@ -459,7 +477,6 @@ def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
     if p.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel=true: sequence parallelism is not implemented yet; use false")
     _positive("parallel.bucket_mb", p.bucket_mb)
-    _choice("parallel.backend", p.backend, ("auto", "nccl", "gloo"))
     _positive("parallel.timeout_s", p.timeout_s)
 
 
@@ -524,16 +541,16 @@ def _validate_misc(cfg: Config) -> None:
     _choice("comm.compression", cfg.comm.compression, ("none",))
     _positive("ckpt.every", cfg.ckpt.every, allow_zero=True)
     _positive("ckpt.keep", cfg.ckpt.keep)
-    _choice("run.device", cfg.run.device, ("auto", "cpu", "cuda"))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def default_nproc() -> int:
     """The number of GPUs, or 2 CPU workers when there is none."""
-    try:
-        import torch
+    import torch
 
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    return 2
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
