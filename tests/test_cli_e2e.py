@@ -33,10 +33,11 @@ def test_train_generate_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "runs" / "e2e"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["step"] for r in records] == list(range(0, 9))
+    assert set(records[0]) == {"step", "val_loss"}, "step 0: the untrained model's validation loss"
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
-        assert key in records[0]
-    assert "val_loss" in records[3] and "val_loss" in records[7]
+        assert key in records[1]
+    assert "val_loss" in records[4] and "val_loss" in records[8]
     assert (run_dir / "config.toml").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]
     assert any((run_dir / "tb").iterdir())
@@ -65,4 +66,4 @@ def test_torchrun_entry(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = (tmp_path / "runs" / "tr" / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 3
+    assert len(lines) == 4  # step 0 (validation of the untrained model) and steps 1-3

@@ -106,6 +106,8 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
 
     losses: list[float] = []
     val_loss = None
+    if start_step == 0:  # the untrained model's validation loss: the baseline the run improves on
+        log.log(0, {"val_loss": evaluate(ddp, val_windows, tcfg, dp_rank, dp_size, dp_group, device)})
     done = start_step
     for step in range(start_step, tcfg.steps):
         t0 = time.perf_counter()
