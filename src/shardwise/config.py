@@ -88,14 +88,14 @@ class DataConfig:
 class TrainConfig:
     steps: int = 300
     """Optimizer steps."""
-    global_batch: int | None = 16
+    global_batch: int | None = 32
     """Sequences per optimizer step = micro_batch * grad_accum * dp."""
     micro_batch: int | None = None
     """Sequences per forward/backward on one data-parallel rank."""
     grad_accum: int | None = None
     """Micro-batches accumulated per optimizer step. Any two of the three batch fields set the third."""
-    lr: float = 2e-3
-    """Peak learning rate."""
+    lr: float = 4e-3
+    """Peak learning rate (the default suits the small cpu-demo model; GPT-2 124M wants about 6e-4)."""
     min_lr: float | None = None
     """Learning rate at the end of the cosine decay; default lr / 10."""
     warmup_steps: int = 30
@@ -166,12 +166,27 @@ class ParallelConfig:
     """A collective that waits longer than this fails instead of hanging."""
 
 
+COMM_ALGORITHMS = ("auto", "native", "naive", "star", "ring", "rabenseifner", "recursive_doubling", "tree",
+                   "hierarchical", "torus")
+"""Gradient all-reduce algorithms (shardwise.dist.comm.allreduce; "auto" asks the cost model)."""
+
+COMM_COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")
+"""Gradient compression methods (shardwise.dist.comm.compress)."""
+
+
 @dataclass
 class CommConfig:
     algorithm: str = "native"
-    """Gradient all-reduce algorithm; only "native" (the backend's own) so far."""
+    """Gradient all-reduce algorithm: "native" (the backend's own), "auto" (the calibrated cost
+    model picks per bucket size), or one of ours: "naive", "star", "ring", "rabenseifner",
+    "recursive_doubling", "tree", "hierarchical", "torus"."""
     compression: str = "none"
-    """Gradient compression; only "none" so far."""
+    """Gradient compression: "none", "fp16", "bf16" (cast), "int8" (per-chunk absmax, error
+    feedback) or "topk" (sparsification, error feedback)."""
+    topk_ratio: float = 0.01
+    """Fraction of gradient entries "topk" sends each step, in (0, 1]."""
+    node_size: int = 0
+    """Ranks per node for "hierarchical" (0: 2) and row length for "torus" (0: most square grid)."""
 
 
 @dataclass
@@ -537,8 +552,11 @@ def _validate_train(t: TrainConfig) -> None:
 
 
 def _validate_misc(cfg: Config) -> None:
-    _choice("comm.algorithm", cfg.comm.algorithm, ("native",))
-    _choice("comm.compression", cfg.comm.compression, ("none",))
+    _choice("comm.algorithm", cfg.comm.algorithm, COMM_ALGORITHMS)
+    _choice("comm.compression", cfg.comm.compression, COMM_COMPRESSIONS)
+    if not 0 < cfg.comm.topk_ratio <= 1:
+        raise ConfigError(f"comm.topk_ratio={cfg.comm.topk_ratio} is not valid; use a fraction in (0, 1]")
+    _positive("comm.node_size", cfg.comm.node_size, allow_zero=True)
     _positive("ckpt.every", cfg.ckpt.every, allow_zero=True)
     _positive("ckpt.keep", cfg.ckpt.keep)
 

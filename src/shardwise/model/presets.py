@@ -22,7 +22,7 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(flavor="gpt2", n_layers=2, d_model=64, n_heads=4, max_seq_len=64),
     "tiny-llama": dict(flavor="llama", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=64),
     # The default of `shardwise train`: learns visible Python structure in ~3 minutes on 2 CPU cores.
-    "cpu-demo": dict(flavor="gpt2", n_layers=4, d_model=256, n_heads=8, max_seq_len=256),
+    "cpu-demo": dict(flavor="gpt2", n_layers=4, d_model=256, n_heads=8, max_seq_len=128),
     "gpt2-124m": dict(flavor="gpt2", n_layers=12, d_model=768, n_heads=12, vocab_size=50257, max_seq_len=1024),
     "gpt2-350m": dict(flavor="gpt2", n_layers=24, d_model=1024, n_heads=16, vocab_size=50257, max_seq_len=1024),
     "gpt2-1.5b": dict(flavor="gpt2", n_layers=48, d_model=1600, n_heads=25, vocab_size=50257, max_seq_len=1024),
