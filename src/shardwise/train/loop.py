@@ -107,7 +107,12 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     losses: list[float] = []
     val_loss = None
     if start_step == 0:  # the untrained model's validation loss: the baseline the run improves on
-        log.log(0, {"val_loss": evaluate(ddp, val_windows, tcfg, dp_rank, dp_size, dp_group, device)})
+        val_loss = evaluate(ddp, val_windows, tcfg, dp_rank, dp_size, dp_group, device)
+        if val_loss is None:
+            log.log_event(f"the validation split holds {len(val_windows)} windows of {cfg.data.seq_len} tokens, too "
+                          "few for every rank: no val_loss (raise data.val_fraction or use a larger corpus)")
+        else:
+            log.log(0, {"val_loss": val_loss})
     done = start_step
     for step in range(start_step, tcfg.steps):
         t0 = time.perf_counter()
@@ -150,7 +155,8 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         done = step + 1
         if done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
             val_loss = evaluate(ddp, val_windows, tcfg, dp_rank, dp_size, dp_group, device)
-            metrics["val_loss"] = val_loss
+            if val_loss is not None:
+                metrics["val_loss"] = val_loss
         if done == tcfg.steps or done % 10 == 0 or done == 1:
             metrics.update({f"mem_{k}": float(v) for k, v in process_memory_bytes().items()})
         log.log(done, metrics)
@@ -176,8 +182,9 @@ def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(ddp, windows: TokenWindows, tcfg, dp_rank: int, dp_size: int, group, device) -> float:
-    """Mean validation loss over a fixed set of held-out windows, split across data-parallel ranks."""
+def evaluate(ddp, windows: TokenWindows, tcfg, dp_rank: int, dp_size: int, group, device) -> float | None:
+    """Mean validation loss over a fixed set of held-out windows, split across data-parallel ranks
+    (None when the validation split is too small to give every rank a window)."""
     ddp.module.eval()
     ids = val_indices(len(windows), tcfg.eval_batches * tcfg.micro_batch, dp_rank, dp_size)
     total = torch.zeros(2, device=device, dtype=torch.float64)
@@ -189,7 +196,7 @@ def evaluate(ddp, windows: TokenWindows, tcfg, dp_rank: int, dp_size: int, group
         total[1] += x.shape[0]
     dist.all_reduce(total, group=group)
     ddp.module.train()
-    return float(total[0] / total[1]) if total[1] else float("nan")
+    return float(total[0] / total[1]) if total[1] else None
 
 
 def _save(cfg, root, step, model, optimizer, scaler, sampler, rank) -> None:
