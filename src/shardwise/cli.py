@@ -37,6 +37,9 @@ def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return rest, overrides
 
 
+PASS_THROUGH = ("plan", "bench")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -75,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest, overrides = split_overrides(argv)
     debug = "--debug" in rest  # accepted anywhere on the line, not only before the subcommand
-    args = build_parser().parse_args([a for a in rest if a != "--debug"])
+    rest = [a for a in rest if a != "--debug"]
+    if rest and rest[0] in PASS_THROUGH:  # these parse their own options (argparse REMAINDER rejects a leading flag)
+        args = argparse.Namespace(command=rest[0], args=rest[1:])
+    else:
+        args = build_parser().parse_args(rest)
     args.debug = debug
     if overrides and args.command not in ("train", "config", "plan"):
         print(f"error: config overrides are not accepted by `shardwise {args.command}`", file=sys.stderr)

@@ -1,11 +1,11 @@
-"""Model FLOPs per token and utilisation (MFU).
+"""Model FLOPs per token and utilisation (MFU) for the trainer.
 
-FLOPs per token for training (forward + backward) follow PaLM (Chowdhery et al. 2022,
-Appendix B): 6·N + 12·L·H·Q·T, where N is the number of non-embedding parameters, L layers,
-H heads, Q head size and T the sequence length — the second term is attention's score and
-value matmuls. The output projection onto the vocabulary (V·d multiply-adds per token, the
-"de-embedding" of Kaplan et al. 2020, Table 1) is a matmul too and is added to N; the token
-lookup is not. Recomputation is not counted (that is *model* FLOPs utilisation, not hardware).
+The formula and the GPU peak table live in the planner (``shardwise.plan.flops`` and
+``shardwise.plan.hardware``), so that the trainer's ``mfu`` and the plan's prediction use the
+same numbers: FLOPs per token for training (forward + backward) follow PaLM (Chowdhery et al.
+2022, Appendix B): 6·N + 12·L·H·Q·T, where N counts the non-embedding matmul parameters plus the
+output projection onto the vocabulary (Kaplan et al. 2020, Table 1), counted once whether or not
+it is tied to the token embedding. Recomputation is not counted (model, not hardware, FLOPs).
 """
 
 from __future__ import annotations
@@ -15,21 +15,26 @@ import time
 import torch
 
 from shardwise.config import ModelConfig
+from shardwise.plan.flops import flops_per_token
+from shardwise.plan.hardware import GPU_PEAK_FLOPS, peak_flops_for_device_name
+from shardwise.plan.spec import ModelSpec
 
-# Dense peak FLOP/s per dtype from the vendors' data sheets (no 2:4 sparsity).
-GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "V100": {"bf16": 0.0, "fp16": 125e12, "fp32": 15.7e12},
-    "B200": {"bf16": 2250e12, "fp16": 2250e12, "fp32": 80e12},
-}
+__all__ = ["GPU_PEAK_FLOPS", "training_flops_per_token", "peak_flops", "measure_cpu_matmul_flops"]
 
 
-def training_flops_per_token(model_cfg: ModelConfig, non_embedding_params: int, seq_len: int) -> float:
-    """6·(N + V·d) + 12·L·d·T (PaLM Appendix B with the vocabulary projection; H·Q = d_model)."""
-    head = model_cfg.vocab_size * model_cfg.d_model
-    return 6.0 * (non_embedding_params + head) + 12.0 * model_cfg.n_layers * model_cfg.d_model * seq_len
+def training_flops_per_token(model_cfg: ModelConfig, non_embedding_params: int | None = None,
+                             seq_len: int | None = None) -> float:
+    """6·N + 12·L·d·T for a resolved ``ModelConfig`` (see :func:`shardwise.plan.flops.flops_per_token`).
+
+    ``non_embedding_params`` is accepted for compatibility and not used: the planner counts the
+    parameters exactly from the config (an untied head is counted once, as the vocabulary
+    projection)."""
+    spec = ModelSpec(
+        flavor=model_cfg.flavor, n_layers=model_cfg.n_layers, d_model=model_cfg.d_model, n_heads=model_cfg.n_heads,
+        n_kv_heads=model_cfg.n_kv_heads or model_cfg.n_heads, d_ff=model_cfg.d_ff, vocab_size=model_cfg.vocab_size,
+        max_seq_len=model_cfg.max_seq_len, tie_embeddings=bool(model_cfg.tie_embeddings),
+    )
+    return flops_per_token(spec, seq_len if seq_len is not None else model_cfg.max_seq_len)
 
 
 def peak_flops(device: torch.device, precision: str, configured: float = 0.0) -> float:
@@ -37,11 +42,7 @@ def peak_flops(device: torch.device, precision: str, configured: float = 0.0) ->
     if configured > 0:
         return configured
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, table in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return table.get(precision, table["fp32"])
-        return 0.0
+        return peak_flops_for_device_name(torch.cuda.get_device_name(device), precision)
     return measure_cpu_matmul_flops(torch.bfloat16 if precision == "bf16" else torch.float32)
 
 

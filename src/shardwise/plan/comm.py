@@ -1,0 +1,156 @@
+"""Communication per step: volume for each technique and its time under the alpha-beta model.
+
+Collective costs (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication
+Operations in MPICH", §4; Chan et al. 2007) for p ranks, n bytes, latency α, bandwidth β:
+  ring all-reduce               2(p−1)·α + 2(p−1)/p · n/β
+  ring all-gather / reduce-scatter (p−1)·α + (p−1)/p · n/β     (n = the full, gathered size)
+  pairwise all-to-all           (p−1)·α + (p−1)/p · n/β        (n = one rank's send buffer)
+  point-to-point                α + n/β
+On a two-level network a group that spans nodes also gets the hierarchical algorithm
+(reduce-scatter inside the node, all-reduce of n/g across nodes, all-gather inside the node;
+e.g. Jia et al. 2018, "Highly Scalable Deep Learning Training System with Mixed-Precision", §4.2)
+and the cheaper of flat ring and hierarchical is used.
+
+Volumes per technique (per rank and step, ``payload`` = bytes handed to the collective, the
+trainer's ``comm_bytes``): data parallel all-reduces the gradients once per step; ZeRO-1/2
+reduce-scatter gradients and all-gather weights (same volume, ZeRO §7.2); ZeRO-3 all-gathers the
+weights in forward and backward and reduce-scatters gradients every micro-batch (1.5×, §7.2.2);
+tensor parallel all-reduces b·s·h activations twice in forward and twice in backward per layer
+(Shoeybi et al. 2019 §3), or all-gathers and reduce-scatters them with sequence parallelism
+(Korthikanti et al. 2022 §4.2.2, same volume); pipeline stages send b·s·h activations forward
+and gradients back per micro-batch (Narayanan et al. 2021 §4.1, scatter/gather /t); context
+parallelism passes K and V around a ring (Liu et al. 2023, "Ring Attention"); expert parallelism
+exchanges tokens with two all-to-alls in forward and two in backward per MoE layer (Lepikhin et
+al. 2020, "GShard" §2.3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.plan.hardware import Cluster
+from shardwise.plan.memory import StateDtypes, params_per_rank
+from shardwise.plan.spec import Layout, ModelSpec
+
+AXIS_STRIDE_ORDER = ("tp", "cp", "dp", "pp")
+"""Rank order of shardwise's mesh (shardwise.dist.mesh): tp innermost, then cp, dp, pp."""
+
+
+@dataclass
+class CommItem:
+    technique: str
+    collective: str
+    group: int
+    payload: float
+    """Bytes handed to one collective call."""
+    calls: int
+    time_s: float
+    """Time of all ``calls``."""
+    overlap: str
+    """What it can hide behind: "backward", "compute", "attention" or "none"."""
+
+    @property
+    def total_payload(self) -> float:
+        return self.payload * self.calls
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one rank sends for all calls."""
+        p = self.group
+        factor = {"all-reduce": 2 * (p - 1) / p, "all-gather": (p - 1) / p, "reduce-scatter": (p - 1) / p,
+                  "all-to-all": (p - 1) / p, "send/recv": 1.0}[self.collective]
+        return self.payload * factor * self.calls
+
+
+def _flat(collective: str, p: int, n: float, alpha: float, beta: float) -> float:
+    if p <= 1 or n <= 0:
+        return 0.0
+    if collective == "all-reduce":
+        return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n / beta
+    if collective in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (p - 1) * alpha + (p - 1) / p * n / beta
+    if collective == "send/recv":
+        return alpha + n / beta
+    raise ValueError(collective)
+
+
+def collective_time(collective: str, p: int, n: float, stride: int, cluster: Cluster) -> float:
+    """Alpha-beta time of one collective over a group of ``p`` ranks spaced ``stride`` apart."""
+    if p <= 1 or n <= 0:
+        return 0.0
+    g = cluster.gpu
+    gpn = cluster.gpus_per_node
+    local = 1 if stride >= gpn else max(1, min(p, gpn // stride))
+    nodes = -(-p // local)
+    if nodes == 1:
+        return _flat(collective, p, n, g.intra_latency, g.intra_bw)
+    flat = _flat(collective, p, n, g.inter_latency, g.inter_bw)
+    if local == 1:
+        return flat
+    if collective == "all-to-all":
+        on_node = n * (local - 1) / p / g.intra_bw
+        off_node = n * (p - local) / p / g.inter_bw
+        return (p - 1) * g.inter_latency + max(on_node, off_node)
+    if collective == "all-reduce":
+        hier = (_flat("reduce-scatter", local, n, g.intra_latency, g.intra_bw)
+                + _flat("all-reduce", nodes, n / local, g.inter_latency, g.inter_bw)
+                + _flat("all-gather", local, n, g.intra_latency, g.intra_bw))
+    else:
+        hier = (_flat(collective, local, n, g.intra_latency, g.intra_bw)
+                + _flat(collective, nodes, n / local, g.inter_latency, g.inter_bw))
+    return min(flat, hier)
+
+
+def strides(lay: Layout) -> dict[str, int]:
+    """Distance between neighbouring ranks of each axis in shardwise's mesh order."""
+    return {"tp": 1, "cp": lay.tp, "ep": lay.tp, "dp": lay.tp * lay.cp, "pp": lay.tp * lay.cp * lay.dp}
+
+
+def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: Cluster,
+               act_bytes: int = 2) -> list[CommItem]:
+    """Every collective of one step on the busiest rank, with its volume and time."""
+    st = strides(lay)
+    items: list[CommItem] = []
+
+    def add(tech, coll, p, n, calls, stride, overlap):
+        if p > 1 and n > 0 and calls > 0:
+            seconds = calls * collective_time(coll, p, n, stride, cluster)
+            items.append(CommItem(tech, coll, p, n, calls, seconds, overlap))
+
+    dense, expert = params_per_rank(m, lay)
+    b = states.bytes()
+    mb = lay.grad_accum
+    shard = lay.dp * lay.cp
+    for kind, psi, group in (("dense", dense, shard), ("expert", expert, max(1, shard // lay.ep))):
+        label = "data parallel" if kind == "dense" else "expert data parallel"
+        stride = st["cp"] if lay.cp > 1 else st["dp"]
+        if lay.zero == 0:
+            add(label, "all-reduce", group, psi * b["grads"], 1, stride, "backward")
+        elif lay.zero in (1, 2):
+            add(f"ZeRO-{lay.zero} grads", "reduce-scatter", group, psi * b["grads"], 1, stride, "backward")
+            add(f"ZeRO-{lay.zero} weights", "all-gather", group, psi * b["params"], 1, stride, "none")
+        else:
+            add("ZeRO-3 weights (fwd+bwd)", "all-gather", group, psi * b["params"], 2 * mb, stride, "compute")
+            add("ZeRO-3 grads", "reduce-scatter", group, psi * b["grads"], mb, stride, "backward")
+    s_local = s // lay.cp
+    act = lay.micro_batch * s_local * m.d_model * act_bytes
+    layers = m.n_layers // lay.pp
+    if lay.tp > 1:
+        per_pass = 2 * layers * mb
+        fwd_passes = 2 if lay.recompute == "full" else 1
+        if lay.sequence_parallel:
+            add("tensor parallel (SP)", "all-gather", lay.tp, act, per_pass * (fwd_passes + 1), st["tp"], "none")
+            add("tensor parallel (SP)", "reduce-scatter", lay.tp, act, per_pass * (fwd_passes + 1), st["tp"], "none")
+        else:
+            add("tensor parallel", "all-reduce", lay.tp, act, per_pass * (fwd_passes + 1), st["tp"], "none")
+    if lay.pp > 1:
+        boundary = act / (lay.tp if lay.sequence_parallel or lay.tp > 1 else 1)
+        add("pipeline", "send/recv", 2, boundary, 2 * mb * lay.pp_virtual, st["pp"], "none")
+    if lay.cp > 1:
+        kv = 2 * lay.micro_batch * s_local * m.kv_dim // lay.tp * act_bytes
+        # forward: K,V around the ring; backward: K,V again plus their gradients
+        add("context parallel", "all-gather", lay.cp, kv * lay.cp, 3 * layers * mb, st["cp"], "attention")
+    if m.n_experts and lay.ep > 1:
+        tokens = lay.micro_batch * s_local * m.moe_top_k * m.d_model * act_bytes
+        add("expert parallel", "all-to-all", lay.ep, tokens, 4 * layers * mb, st["ep"], "none")
+    return items

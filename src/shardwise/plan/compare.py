@@ -1,0 +1,111 @@
+"""``shardwise plan --compare RUN_DIR``: a run's measured metrics beside the plan's predictions.
+
+Quantities share the trainer's metric names (``tokens_per_s``, ``step_time_s``, ``mfu``,
+``comm_bytes``, ``comm_sent_bytes``, ``mem_{params,grads,master,optimizer,total}_bytes``). Model-state
+bytes are compared category by category when the run logged them (the trainer's memory
+accountant, shardwise.train.memory); activations and buffers are not measured by the trainer
+yet, so the device total is set beside the process's peak RSS, which also holds the
+interpreter, torch and the data.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from shardwise.config import Config
+from shardwise.plan.comm import comm_items
+from shardwise.plan.flops import flops_per_token
+from shardwise.plan.hardware import BUILTIN_GPUS, Cluster
+from shardwise.plan.memory import (
+    MEMORY_METRICS,
+    MODEL_STATE_METRICS,
+    STATE_CONVENTIONS,
+    activation_mode,
+    memory_breakdown,
+)
+from shardwise.plan.params import count_params
+from shardwise.plan.spec import Layout, model_spec, seq_len_of
+from shardwise.train.metrics import read_metrics
+
+
+def predicted_for_run(cfg: Config) -> dict[str, float]:
+    """The plan of the layout a run's resolved config describes (data parallel, fp32 states)."""
+    m = model_spec(cfg)
+    s = seq_len_of(cfg, m)
+    p = cfg.parallel
+    world = (p.nproc or 1) * p.nnodes
+    dp = p.dp or max(1, world // (p.tp * p.pp * p.cp))
+    t = cfg.train
+    lay = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, micro_batch=t.micro_batch or 1,
+                 grad_accum=t.grad_accum or 1, recompute=t.recompute if t.recompute in ("none", "full") else "none")
+    states = STATE_CONVENTIONS["shardwise"]
+    act_bytes = 4 if t.precision == "fp32" else 2
+    mode = activation_mode(t.precision, states)
+    mem = memory_breakdown(m, lay, s, states, attention="flash", act_mode=mode, bucket_mb=p.bucket_mb)
+    cluster = Cluster(BUILTIN_GPUS["H100"], gpus_per_node=world)  # placement only; times are not compared
+    items = comm_items(m, lay, s, states, cluster, act_bytes)
+    out = {"parameters": float(count_params(m).total), "flops_per_token": flops_per_token(m, s),
+           "comm_bytes": sum(c.total_payload for c in items), "comm_sent_bytes": sum(c.sent_bytes for c in items),
+           "mem_device_bytes": mem.total()}
+    out.update(mem.by_metric())
+    out["mem_total_bytes"] = sum(out[k] for k in MODEL_STATE_METRICS)
+    return out
+
+
+def measured_for_run(run_dir: Path) -> dict[str, float]:
+    """Medians over the run's steps (the first step, which includes warm-up, left out when there are more)."""
+    records = read_metrics(run_dir)
+    steps = records[1:] if len(records) > 1 else records
+    out: dict[str, float] = {}
+    keys = {k for r in records for k in r if k != "step"}
+    for key in sorted(keys):
+        values = [r[key] for r in (steps if key != "mem_peak_rss_bytes" else records)
+                  if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+        if values:
+            out[key] = max(values) if key.startswith("mem_") else statistics.median(values)
+    return out
+
+
+def compare_run(run_dir: Path, as_json: bool = False) -> int:
+    run_dir = Path(run_dir)
+    cfg_path = run_dir / "config.toml"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} does not exist; is {run_dir} a shardwise run directory?")
+    cfg = Config.load(cfg_path)
+    pred = predicted_for_run(cfg)
+    meas = measured_for_run(run_dir)
+    world = (cfg.parallel.nproc or 1) * cfg.parallel.nnodes
+    derived = {}
+    if "tokens_per_s" in meas:
+        derived["achieved_flops_per_rank"] = meas["tokens_per_s"] * pred["flops_per_token"] / world
+        if meas.get("mfu"):
+            derived["implied_peak_flops"] = derived["achieved_flops_per_rank"] / meas["mfu"]
+    rows = [("comm_bytes", pred["comm_bytes"], meas.get("comm_bytes")),
+            ("comm_sent_bytes", pred["comm_sent_bytes"], meas.get("comm_sent_bytes")),
+            ("mem_device_bytes vs mem_peak_rss_bytes", pred["mem_device_bytes"], meas.get("mem_peak_rss_bytes"))]
+    rows += [(k, pred[k], meas.get(k)) for k in (*MEMORY_METRICS, "mem_total_bytes")]
+    rows += [(k, None, meas.get(k)) for k in ("tokens_per_s", "step_time_s", "mfu")]
+    rows += [("parameters", pred["parameters"], None), ("flops_per_token", pred["flops_per_token"], None)]
+    rows += [(k, v, None) for k, v in derived.items()]
+    if as_json:
+        print(json.dumps({"run_dir": str(run_dir), "predicted": pred, "measured": meas, "derived": derived,
+                          "note": "activations and buffers are not measured by the trainer yet"},
+                         indent=2))
+        return 0
+    print(f"run {run_dir}: {cfg.model.preset}, world {world}, global batch {cfg.train.global_batch}, "
+          f"seq_len {cfg.data.seq_len}")
+    print(f"{'quantity':<40} {'predicted':>16} {'measured':>16} {'measured/pred':>14}")
+    for name, p, m in rows:
+        ratio = f"{m / p:.3f}" if p and m is not None else ""
+        print(f"{name:<40} {_fmt(p):>16} {_fmt(m):>16} {ratio:>14}")
+    print("note: the trainer measures model states (mem_params/grads/master/optimizer/total_bytes), not yet "
+          "activations or buffers; peak RSS also holds the interpreter, torch and the data.")
+    return 0
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.4g}" if abs(x) < 1e4 else f"{x:,.0f}"

@@ -1,0 +1,150 @@
+"""Layout search: enumerate dp × tp × pp × cp × ep, ZeRO stage, micro-batch and recomputation;
+drop what violates divisibility or does not fit; rank the rest by predicted tokens/s.
+
+Constraints follow Megatron-LM's (Narayanan et al. 2021 §3.3, "Takeaways"): tensor parallelism
+within a node and dividing the heads; pipeline stages dividing the layers; ZeRO-2/3 not combined
+with pipeline parallelism (gradients accumulate over micro-batches; DeepSpeed allows ZeRO-1 only);
+expert parallelism dividing the experts and dp·cp (shardwise.dist.mesh).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from shardwise.plan.hardware import Cluster
+from shardwise.plan.memory import MemoryBreakdown, StateDtypes, activation_mode, memory_breakdown
+from shardwise.plan.perf import StepTime, step_time
+from shardwise.plan.spec import Layout, ModelSpec
+
+SEARCHED = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "recompute", "sequence_parallel")
+"""Layout fields the search fills when the config leaves them open."""
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory: MemoryBreakdown
+    time: StepTime
+
+    @property
+    def mem_bytes(self) -> float:
+        return self.memory.total("device")
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Candidate]
+    dropped: Counter = field(default_factory=Counter)
+    """Reason -> number of layouts dropped for it."""
+    examples: dict = field(default_factory=dict)
+    """Reason -> one dropped layout (short form) as an example."""
+    considered: int = 0
+    fitting: int = 0
+    """Layouts that passed every check and fit in memory (``ranked`` keeps the top ones)."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def evaluate(m: ModelSpec, lay: Layout, s: int, cluster: Cluster, states: StateDtypes, precision: str,
+             attention: str = "flash", bucket_mb: float = 25.0) -> Candidate:
+    """Memory and time of one layout (no checks)."""
+    act_bytes = 4 if precision == "fp32" else 2
+    mem = memory_breakdown(m, lay, s, states, attention, activation_mode(precision, states), bucket_mb)
+    return Candidate(lay, mem, step_time(m, lay, s, cluster, states, precision, act_bytes))
+
+
+def check(m: ModelSpec, lay: Layout, s: int, cluster: Cluster) -> str | None:
+    """Why ``lay`` cannot run ``m`` on ``cluster`` (None if it can, memory aside)."""
+    if lay.world != cluster.world:
+        return f"dp·tp·pp·cp != {cluster.world} GPUs"
+    if m.n_heads % lay.tp or m.n_kv_heads % lay.tp:
+        return "tp does not divide the (key/value) heads"
+    if lay.tp > cluster.gpus_per_node:
+        return "tp larger than a node"
+    if m.d_ff % lay.tp:
+        return "tp does not divide d_ff"
+    if m.n_layers % (lay.pp * lay.pp_virtual):
+        return "pp·pp_virtual does not divide the layers"
+    if s % lay.cp or (lay.cp > 1 and (s // lay.cp) % 2):
+        return "cp does not divide the sequence (in even chunks)"
+    if (lay.dp * lay.cp) % lay.ep or (m.n_experts and m.n_experts % lay.ep) or (not m.n_experts and lay.ep > 1):
+        return "ep does not divide dp·cp and the experts"
+    if lay.pp > 1 and lay.zero >= 2:
+        return "ZeRO-2/3 with pipeline parallelism"
+    if lay.sequence_parallel and lay.tp == 1:
+        return "sequence parallel without tensor parallel"
+    if lay.offload != "none" and lay.zero == 0:
+        return "offload needs ZeRO >= 1"
+    if lay.pp_virtual > 1 and lay.grad_accum % lay.pp:
+        return "interleaving needs micro-batches divisible by pp"
+    return None
+
+
+def search(m: ModelSpec, s: int, cluster: Cluster, fixed: dict, global_batch: int | None, states: StateDtypes,
+           precision: str = "bf16", attention: str = "flash", memory_fraction: float = 0.9, top: int = 10,
+           bucket_mb: float = 25.0, max_micro_batch: int = 64) -> SearchResult:
+    """Every layout agreeing with ``fixed`` (Layout field -> value), ranked by tokens/s.
+
+    ``global_batch`` None means micro_batch·grad_accum·dp from ``fixed``. A layout fits when its
+    device bytes are at most ``memory_fraction`` of the GPU's memory (the rest is the framework,
+    allocator fragmentation and kernels' workspace)."""
+    world = cluster.world
+
+    def opts(name, default):
+        return [fixed[name]] if name in fixed else default
+
+    result = SearchResult(ranked=[])
+    ranked: list[Candidate] = []
+    budget = cluster.gpu.memory_bytes * memory_fraction
+
+    def drop(reason, lay):
+        result.dropped[reason] += 1
+        result.examples.setdefault(reason, lay.short())
+
+    for tp in opts("tp", [d for d in _divisors(world) if d <= cluster.gpus_per_node]):
+        for pp in opts("pp", [d for d in _divisors(world // tp) if d <= m.n_layers] if world % tp == 0 else [1]):
+            for cp in opts("cp", [d for d in _divisors(max(1, world // (tp * pp))) if d <= 16]):
+                dps = opts("dp", [world // (tp * pp * cp)] if world % (tp * pp * cp) == 0 else [])
+                for dp in dps:
+                    if global_batch is not None and global_batch % dp:
+                        result.considered += 1
+                        drop("global batch not divisible by dp", Layout(dp=dp, tp=tp, pp=pp, cp=cp))
+                        continue
+                    per_dp = global_batch // dp if global_batch is not None else None
+                    if per_dp is None:
+                        mbs = [fixed.get("micro_batch", 1)]
+                    else:
+                        mbs = opts("micro_batch", [d for d in _divisors(per_dp) if d <= max_micro_batch])
+                    eps = opts("ep", [d for d in _divisors(dp * cp) if m.n_experts and m.n_experts % d == 0] or [1])
+                    for ep in eps:
+                        for zero in opts("zero", [0, 1, 2, 3]):
+                            for mb in mbs:
+                                if per_dp is not None and per_dp % mb:
+                                    result.considered += 1
+                                    drop("global batch not divisible by dp·micro_batch", Layout(dp=dp, micro_batch=mb))
+                                    continue
+                                ga = per_dp // mb if per_dp is not None else fixed.get("grad_accum", 1)
+                                for rc in opts("recompute", ["none", "selective", "full"]):
+                                    for sp in opts("sequence_parallel", [False, True] if tp > 1 else [False]):
+                                        lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
+                                                     offload=fixed.get("offload", "none"), micro_batch=mb,
+                                                     grad_accum=ga, recompute=rc, sequence_parallel=sp,
+                                                     pp_virtual=fixed.get("pp_virtual", 1))
+                                        result.considered += 1
+                                        why = check(m, lay, s, cluster)
+                                        if why:
+                                            drop(why, lay)
+                                            continue
+                                        cand = evaluate(m, lay, s, cluster, states, precision, attention, bucket_mb)
+                                        if cand.mem_bytes > budget:
+                                            drop(f"does not fit in {memory_fraction:.0%} of "
+                                                 f"{cluster.gpu.memory_bytes / 1e9:.0f} GB", lay)
+                                            continue
+                                        ranked.append(cand)
+    ranked.sort(key=lambda c: (-c.time.tokens_per_s, c.time.comm_sent_bytes, c.mem_bytes))
+    result.ranked = ranked[:top] if top else ranked
+    result.fitting = len(ranked)
+    return result

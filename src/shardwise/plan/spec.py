@@ -1,0 +1,145 @@
+"""The planner's view of a config: a resolved model shape and a (possibly open) layout.
+
+``Config.resolve()`` is the trainer's gate and rejects layouts the trainer cannot run yet
+(tp/pp/cp/ep != 1, ZeRO, offload). The planner must reason about every layout, so it has its own
+resolution path: it reuses the config dataclasses and the preset logic of
+:func:`shardwise.config._resolve_model`, and checks only what the arithmetic needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from shardwise.config import Config, ConfigError, ModelConfig, _resolve_model
+
+BYTE_VOCAB = 257
+"""Vocabulary of the byte tokenizer (shardwise.data.tokenizer.ByteTokenizer)."""
+
+RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("none", "cpu", "disk")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Every shape the calculators need; built by :func:`model_spec`."""
+
+    flavor: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    vocab_size: int
+    max_seq_len: int
+    tie_embeddings: bool
+    dropout: float = 0.0
+    n_experts: int = 0
+    """Experts per MoE block (0 = dense MLP). Planner-only: set with ``--model.n_experts``."""
+    moe_top_k: int = 2
+    """Experts each token is routed to."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a step: parallel sizes, ZeRO stage, batch split, recomputation."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    offload: str = "none"
+    micro_batch: int = 1
+    grad_accum: int = 1
+    """Micro-batches per optimizer step per data-parallel rank (= pipeline micro-batches m)."""
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    pp_virtual: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp
+
+    def short(self) -> str:
+        s = f"dp{self.dp} tp{self.tp} pp{self.pp}"
+        if self.cp > 1:
+            s += f" cp{self.cp}"
+        if self.ep > 1:
+            s += f" ep{self.ep}"
+        if self.pp_virtual > 1:
+            s += f" v{self.pp_virtual}"
+        s += f" z{self.zero} mb{self.micro_batch}"
+        s += "" if self.recompute == "none" else f" rc-{self.recompute}"
+        s += " sp" if self.sequence_parallel else ""
+        s += "" if self.offload == "none" else f" off-{self.offload}"
+        return s
+
+
+def model_spec(cfg: Config, n_experts: int = 0, moe_top_k: int = 2) -> ModelSpec:
+    """Resolve ``cfg.model`` (presets, defaults, checks) without touching the trainer's validation.
+
+    An unset ``vocab_size`` is taken from the tokenizer: 257 for "byte", ``data.bpe_vocab_size``
+    for "bpe", or the tokenizer file's vocabulary."""
+    m: ModelConfig = dataclasses.replace(cfg.model)
+    vocab = _tokenizer_vocab(cfg) if m.vocab_size is None else None
+    _resolve_model(m, vocab)
+    if m.max_seq_len is None:
+        m.max_seq_len = cfg.data.seq_len
+    if m.max_seq_len is None:
+        raise ConfigError("model.max_seq_len is not set; give it or data.seq_len")
+    if n_experts < 0 or (n_experts and not 1 <= moe_top_k <= n_experts):
+        raise ConfigError(f"model.moe_top_k={moe_top_k} must be in [1, model.n_experts={n_experts}]")
+    return ModelSpec(
+        flavor=m.flavor, n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+        d_ff=m.d_ff, vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, tie_embeddings=bool(m.tie_embeddings),
+        dropout=m.dropout, n_experts=n_experts, moe_top_k=moe_top_k,
+    )
+
+
+def seq_len_of(cfg: Config, model: ModelSpec) -> int:
+    """``data.seq_len``, defaulting to the model's ``max_seq_len`` (as the trainer does)."""
+    s = cfg.data.seq_len or model.max_seq_len
+    if s > model.max_seq_len:
+        raise ConfigError(f"data.seq_len={s} exceeds model.max_seq_len={model.max_seq_len}; "
+                          f"use at most {model.max_seq_len}")
+    return s
+
+
+def _tokenizer_vocab(cfg: Config) -> int | None:
+    tok = cfg.data.tokenizer
+    if tok == "byte":
+        return BYTE_VOCAB
+    if tok == "bpe":
+        return cfg.data.bpe_vocab_size
+    try:
+        import json
+        from pathlib import Path
+
+        data = json.loads(Path(tok).read_text())
+        vocab = data["model"]["vocab"]
+        return len(vocab) + sum(1 for t in data.get("added_tokens", []) if t["content"] not in vocab)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def model_config_of(spec: ModelSpec) -> ModelConfig:
+    """A fully resolved ``ModelConfig`` for ``spec`` (dense models only), e.g. to build ``Transformer``."""
+    return ModelConfig(
+        preset="custom", flavor=spec.flavor, n_layers=spec.n_layers, d_model=spec.d_model, n_heads=spec.n_heads,
+        n_kv_heads=spec.n_kv_heads, d_ff=spec.d_ff, vocab_size=spec.vocab_size, max_seq_len=spec.max_seq_len,
+        tie_embeddings=spec.tie_embeddings, dropout=spec.dropout,
+    )
