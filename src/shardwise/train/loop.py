@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from shardwise.config import Config
 from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus, val_indices
+from shardwise.dist.comm.compress import gradient_all_reduce
 from shardwise.dist.mesh import ParallelDims, init_distributed
 from shardwise.model import Transformer
 from shardwise.parallel.data import DataParallel
@@ -73,7 +74,8 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     if tcfg.recompute == "full":
         apply_activation_checkpointing(model.blocks, tcfg.recompute_every)
     model.to(device)
-    ddp = DataParallel(model, group=dp_group, bucket_mb=cfg.parallel.bucket_mb)
+    ddp = DataParallel(model, group=dp_group, bucket_mb=cfg.parallel.bucket_mb,
+                       all_reduce_fn=gradient_all_reduce(cfg.comm))
     optimizer = build_optimizer(model, tcfg)
     scaler = DynamicLossScaler(tcfg.fp16_init_scale, growth_interval=tcfg.fp16_growth_interval) \
         if tcfg.precision == "fp16" else None
@@ -149,6 +151,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
             "loss": step_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
             "step_time_s": elapsed, "mfu": tokens_per_s * flops_per_token / (peak * world) if peak else 0.0,
             "comm_bytes": float(ddp.comm_bytes_last_step),
+            "comm_sent_bytes": float(ddp.all_reduce_fn.pop_bytes_sent()),
         }
         if scaler:
             metrics.update(loss_scale=scaler.scale, skipped_steps=float(scaler.skipped_steps))

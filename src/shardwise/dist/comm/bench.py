@@ -1,0 +1,276 @@
+"""``shardwise bench comm``: time every algorithm of a collective against the native one.
+
+For each algorithm and message size it reports the time, the algorithm bandwidth
+``algbw = S / t`` and the bus bandwidth as defined by nccl-tests
+(https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md): all-reduce
+``busbw = algbw * 2(N-1)/N``; reduce-scatter, all-gather, all-to-all, gather, scatter
+``* (N-1)/N``; broadcast, reduce ``* 1``; the cost model's prediction and its error; and the
+ratio of busbw to native's, measured interleaved with it (A B A B ...; "native beside" is
+that native time, the "native" row the median of them). "auto" is what the calibrated
+cost model picks at each size. Times are the best of ``--reps`` (the slowest rank's).
+
+    shardwise bench comm --collective all_reduce --sizes 4K,1M,16M,64M --nproc 4 --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+              "gather": lambda n: (n - 1) / n, "scatter": lambda n: (n - 1) / n,
+              "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "barrier": lambda n: 0.0}
+
+
+def parse_size(text: str) -> int:
+    """"4K" -> 4096, "64M" -> 64 MiB, "1G", or plain bytes."""
+    text = text.strip().upper().rstrip("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if mult > 1 else text) * mult)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """"4K,1M" is a list; "4K..64M" every power-of-4 multiple from 4K to 64M."""
+    if ".." in text:
+        lo, hi = (parse_size(t) for t in text.split(".."))
+        out = []
+        while lo <= hi:
+            out.append(lo)
+            lo *= 4
+        return out
+    return [parse_size(t) for t in text.split(",") if t]
+
+
+def run_collective(collective: str, algorithm: str, nbytes: int, group, n: int):
+    """A closure performing one ``collective`` of ``nbytes`` (fp32) with ``algorithm``."""
+    from . import all_gather, all_reduce, all_to_all, barrier, broadcast, gather, reduce, reduce_scatter, scatter
+
+    rooted = collective in ("broadcast", "reduce")
+    count = max(nbytes // 4, 1) if rooted else max(nbytes // 4 // n, 1) * n
+    rank = dist.get_rank(group)
+    x = torch.randn(count)
+    if collective == "all_reduce":
+        return lambda: all_reduce(x, "sum", group, algorithm)
+    if collective == "reduce_scatter":
+        out = torch.empty(count // n)
+        return lambda: reduce_scatter(out, x, "sum", group, algorithm)
+    if collective == "all_gather":
+        inp = x[:count // n].clone()
+        return lambda: all_gather(x, inp, group, algorithm)
+    if collective == "all_to_all":
+        out = torch.empty_like(x)
+        return lambda: all_to_all(out, x, group, algorithm)
+    if collective == "broadcast":
+        return lambda: broadcast(x, 0, group, algorithm)
+    if collective == "reduce":
+        return lambda: reduce(x, 0, "sum", group, algorithm)
+    if collective == "gather":
+        part = x[:count // n].clone()
+        return lambda: gather(part, x if rank == 0 else None, 0, group, algorithm)
+    if collective == "scatter":
+        part = torch.empty(count // n)
+        return lambda: scatter(part, x if rank == 0 else None, 0, group, algorithm)
+    if collective == "barrier":
+        return lambda: barrier(group, algorithm)
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+def _measure(fns: list, reps: int, group) -> list[float]:
+    """Best-of-``reps`` seconds of each closure (the slowest rank's), after one warm-up each.
+
+    The closures run interleaved (A B A B ...), so that drift on a shared machine hits
+    ours and the baseline alike and their ratio stays meaningful; the minimum, not the mean,
+    because on a shared machine noise only ever adds time.
+    """
+    for fn in fns:
+        fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, samples, strict=True):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    t = torch.tensor([min(s) for s in samples], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    from .allreduce import ALL_REDUCE_ALGORITHMS
+    from .collectives import ALGORITHMS
+    from .cost import calibrate
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, nproc, is_master=rank == 0, timeout=timedelta(seconds=600))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=nproc, timeout=timedelta(seconds=600))
+    coll = args.collective
+    every = ALL_REDUCE_ALGORITHMS if coll == "all_reduce" else ALGORITHMS[coll]
+    algs = [a for a in (args.algorithms or list(every) + ["auto"]) if a != "native"]
+    model = calibrate(collectives=(coll,))
+    rows, picks = [], {}
+    for size in parse_sizes(args.sizes):
+        native = run_collective(coll, "native", size, None, nproc)
+        timed: dict[str, tuple[float, float]] = {}  # algorithm -> (its time, native's time beside it)
+        for alg in algs:
+            real = model.choose(coll, size) if alg == "auto" else alg
+            if alg == "auto":
+                picks[size] = real
+            if real not in timed:
+                if real == "native":
+                    (t,) = _measure([native], args.reps, None)
+                    timed[real] = (t, t)
+                else:
+                    t_native, t = _measure([native, run_collective(coll, real, size, None, nproc)], args.reps, None)
+                    timed[real] = (t, t_native)
+        natives = [tn for _, tn in timed.values()]
+        timed["native"] = (statistics.median(natives), statistics.median(natives))
+        for alg in ["native", *algs]:
+            real = picks[size] if alg == "auto" else alg
+            t, t_native = timed[real]
+            pred = model.predict(coll, real, size)
+            algbw = size / t / 1e9
+            rows.append({"size": size, "algorithm": alg, "chosen": real, "time_us": t * 1e6, "algbw_GBps": algbw,
+                         "busbw_GBps": algbw * BUS_FACTOR[coll](nproc), "predicted_us": pred * 1e6,
+                         "prediction_error": pred / t - 1, "native_beside_us": t_native * 1e6,
+                         "ratio_to_native": t_native / t})
+    if rank == 0:
+        result = {"collective": coll, "nproc": nproc, "backend": "gloo", "reps": args.reps,
+                  "model": {"alpha_s": model.alpha, "beta_s_per_byte": model.beta, "gamma_s_per_byte": model.gamma,
+                            "native": model.native, "efficiency": model.efficiency, "margin": model.margin},
+                  "auto_picks": {str(k): v for k, v in picks.items()}, "rows": rows}
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _human(n: int) -> str:
+    for unit, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
+
+
+def table(result: dict) -> str:
+    """The human-readable (markdown) table of one benchmark result."""
+    lines = [f"{result['collective']} on {result['nproc']} gloo ranks (best of {result['reps']})", "",
+             "| size | algorithm | time (us) | busbw (GB/s) | native beside (us) | x native busbw | predicted (us) "
+             "| pred. error |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        alg = r["algorithm"] + (f" -> {r['chosen']}" if r["algorithm"] == "auto" else "")
+        lines.append(f"| {_human(r['size'])} | {alg} | {r['time_us']:.0f} | {r['busbw_GBps']:.3f} | "
+                     f"{r['native_beside_us']:.0f} | {r['ratio_to_native']:.2f} | {r['predicted_us']:.0f} | "
+                     f"{r['prediction_error']:+.0%} |")
+    return "\n".join(lines)
+
+
+def summary(results: list[dict]) -> str:
+    """One markdown table over several results (e.g. 2 and 4 ranks): per algorithm and size,
+    busbw as a multiple of native's and the cost model's prediction error; then auto's picks."""
+    sizes = sorted({r["size"] for res in results for r in res["rows"]})
+    head = " | ".join(f"{res['nproc']} ranks {_human(s)}" for res in results for s in sizes)
+    lines = [f"| algorithm | {head} |", "|---|" + "---:|" * (len(results) * len(sizes))]
+    algs = list(dict.fromkeys(r["algorithm"] for res in results for r in res["rows"]))
+    for alg in algs:
+        cells = []
+        for res in results:
+            by_size = {r["size"]: r for r in res["rows"] if r["algorithm"] == alg}
+            for s in sizes:
+                r = by_size.get(s)
+                if r is None:
+                    cells.append("")
+                elif alg == "auto":
+                    cells.append(f"{r['ratio_to_native']:.2f}x ({r['chosen']})")
+                elif alg == "native":
+                    cells.append(f"1.00x ({r['busbw_GBps']:.2f} GB/s, {r['prediction_error']:+.0%})")
+                else:
+                    cells.append(f"{r['ratio_to_native']:.2f}x ({r['prediction_error']:+.0%})")
+        lines.append(f"| {alg} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for alg in dict.fromkeys(r["algorithm"] for r in result["rows"]):
+        pts = [(r["size"], r["busbw_GBps"]) for r in result["rows"] if r["algorithm"] == alg]
+        style = {"color": "black", "linestyle": "--", "zorder": 5} if alg == "native" else \
+            {"linestyle": ":", "marker": "x"} if alg == "auto" else {}
+        ax.plot(*zip(*pts, strict=True), **{"marker": "o", "label": alg, **style})
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(f"{result['collective']}, {result['nproc']} gloo ranks")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .allreduce import ALL_REDUCE_ALGORITHMS
+    from .collectives import ALGORITHMS
+
+    p = argparse.ArgumentParser(prog="shardwise bench comm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--collective", default="all_reduce", choices=["all_reduce", *ALGORITHMS])
+    p.add_argument("--algorithms", nargs="+", help="default: every algorithm of the collective, and auto")
+    p.add_argument("--sizes", default="4K..64M", help='"4K..64M" (powers of 4) or a list "4K,1M,16M"')
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", metavar="PATH", nargs="?", const="-", help="write JSON (to stdout with no PATH)")
+    p.add_argument("--plot", metavar="PNG", help="bandwidth-vs-size plot")
+    p.add_argument("--summarize", metavar="JSON", nargs="+",
+                   help="print one summary table of earlier --json results instead of running")
+    args = p.parse_args(argv)
+    if args.summarize:
+        print(summary([json.load(open(path)) for path in args.summarize]))
+        return 0
+    valid = (ALL_REDUCE_ALGORITHMS if args.collective == "all_reduce" else ALGORITHMS[args.collective]) + ("auto",)
+    bad = [a for a in args.algorithms or [] if a not in valid]
+    if bad or args.nproc < 2:
+        msg = f"--algorithms {bad} not valid; use {', '.join(valid)}" if bad else "--nproc must be >= 2"
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    try:
+        parse_sizes(args.sizes)
+    except ValueError:
+        print(f"error: --sizes {args.sizes!r} is not valid; e.g. 4K..64M or 4K,1M,16M", file=sys.stderr)
+        return 2
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.start_processes(_worker, args=(args.nproc, port, args, out), nprocs=args.nproc, start_method="spawn")
+        with open(out) as f:
+            result = json.load(f)
+    if args.json == "-":
+        print(json.dumps(result, indent=1))
+    else:
+        print(table(result))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
+    return 0
