@@ -1,0 +1,64 @@
+"""Pipeline parallelism: partition a model into stages by layers, run them with a schedule
+(naive, GPipe, 1F1B, interleaved 1F1B), pass activations and gradients point-to-point, and measure
+the bubble. See ``partition``, ``schedules``, ``p2p``, ``executor``, ``clip`` and ``timeline``.
+
+Typical use on each rank of a pipeline (``stage_ranks`` = ``mesh.ranks("pp")``)::
+
+    p, v = len(stage_ranks), 1                       # v > 1 only for "interleaved"
+    split = partition(cfg, p * v, method="params")  # blocks of every global stage
+    r = stage_ranks.index(dist.get_rank())
+    chunks = [build_stage(cfg, c * p + r, p * v, split[c * p + r], seed) for c in range(v)]
+    pipe = Pipeline(chunks, stage_ranks, "1f1b", n_microbatches=m, d_model=cfg.d_model)
+    loss = pipe.step(tokens, targets)                # grads accumulated; loss on the last stage only
+"""
+
+from shardwise.parallel.pipeline.clip import clip_grad_norm, global_grad_norm, local_grad_sq
+from shardwise.parallel.pipeline.executor import Pipeline, split_microbatches
+from shardwise.parallel.pipeline.partition import (
+    StageModule,
+    balanced_split,
+    build_stage,
+    even_split,
+    layer_costs,
+    manual_split,
+    partition,
+)
+from shardwise.parallel.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    build_schedule,
+    check_schedule,
+    compute_order,
+    peak_live,
+    simulate,
+    theoretical_bubble,
+)
+from shardwise.parallel.pipeline.timeline import (
+    Event,
+    Timeline,
+    bubble_fraction,
+    chrome_trace,
+    gather_timelines,
+    plot_gantt,
+    write_chrome_trace,
+)
+
+
+def check_pipeline(n_layers: int, pp: int, schedule: str, microbatches: int, global_batch: int,
+                   virtual: int = 1) -> None:
+    """Every pipeline check that needs no processes: stages vs layers, the schedule vs the micro-batch
+    count, the batch vs the micro-batch count. Meant for config validation before spawning."""
+    even_split(n_layers, pp * virtual)
+    check_schedule(schedule, pp, microbatches, virtual)
+    if global_batch % microbatches:
+        raise ValueError(f"a batch of {global_batch} sequences does not split into parallel.microbatches="
+                         f"{microbatches} equal micro-batches; use a divisor of {global_batch}")
+
+
+__all__ = [
+    "SCHEDULES", "Action", "Event", "Pipeline", "StageModule", "Timeline", "balanced_split", "bubble_fraction",
+    "build_schedule", "build_stage", "check_pipeline", "check_schedule", "chrome_trace", "clip_grad_norm",
+    "compute_order", "global_grad_norm", "local_grad_sq",
+    "even_split", "gather_timelines", "layer_costs", "manual_split", "partition", "peak_live", "plot_gantt",
+    "simulate", "split_microbatches", "theoretical_bubble", "write_chrome_trace",
+]

@@ -1,0 +1,213 @@
+"""Execute a schedule's action lists on the chunks one pipeline rank holds.
+
+:class:`Pipeline` runs one training step (forward and backward of every micro-batch) by walking
+this rank's action list from :func:`~shardwise.parallel.pipeline.schedules.build_schedule`:
+the sends that follow a computation and the receives of the next computations are posted together in
+one batch (:class:`~shardwise.parallel.pipeline.p2p.P2P`; receives one computation ahead, see
+:func:`_plan`), a computation waits only for the receive it needs, and every forward/backward/send/receive/wait is
+recorded in a :class:`~shardwise.parallel.pipeline.timeline.Timeline`. The loss of micro-batch ``i`` is
+scaled by ``1/m`` before its backward, so the accumulated gradients equal those of the mean loss over
+the whole batch (GPipe's synchronous micro-batch gradient accumulation, Huang et al. 2019 §2.2).
+With tied embeddings the first and last stages' copies of the token table exchange and add their
+gradients after the last backward (Shoeybi et al. 2019; Narayanan et al. 2021 §3).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.parallel.pipeline.p2p import P2P, message_tag
+from shardwise.parallel.pipeline.schedules import (
+    COMM,
+    RECV_B,
+    RECV_F,
+    SEND_F,
+    Action,
+    B,
+    F,
+    build_schedule,
+    check_schedule,
+)
+from shardwise.parallel.pipeline.timeline import Event, Timeline
+
+
+def split_microbatches(batch: torch.Tensor, n_microbatches: int) -> tuple[torch.Tensor, ...]:
+    """``batch`` split along dim 0 into ``n_microbatches`` equal micro-batches."""
+    if batch.shape[0] % n_microbatches:
+        raise ValueError(f"a batch of {batch.shape[0]} sequences does not split into parallel.microbatches="
+                         f"{n_microbatches} equal micro-batches; use a divisor of {batch.shape[0]}")
+    return batch.chunk(n_microbatches)
+
+
+class Pipeline:
+    """One pipeline rank: its model chunks, the schedule, and the step that runs them.
+
+    * ``chunks``: this rank's modules in chunk order (one, or ``v`` for ``"interleaved"``); chunk ``c``
+      is global stage ``c * p + rank``. ``chunk(x, targets)`` takes the inputs (first stage) or the
+      previous stage's activation and returns the next activation, or the scalar loss on the last stage.
+    * ``stage_ranks``: global ranks of the ``p`` pipeline ranks of this replica, in stage order
+      (``Mesh.ranks("pp")``); this process must be one of them.
+    * ``schedule``: ``"naive"``, ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``; ``n_microbatches``: m.
+    * ``d_model`` / ``act_dtype``: an activation of a micro-batch of inputs ``[b, t]`` is
+      ``[b, t, d_model]`` of ``act_dtype`` -- known on every rank, so nothing is exchanged but data.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], stage_ranks: Sequence[int], schedule: str,
+                 n_microbatches: int, d_model: int, act_dtype: torch.dtype = torch.float32,
+                 group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"):
+        self.chunks = list(chunks)
+        self.p, self.v, self.m = len(stage_ranks), len(self.chunks), n_microbatches
+        check_schedule(schedule, self.p, n_microbatches, self.v)
+        self.schedule = schedule
+        self.comm = P2P(list(stage_ranks), self.v, group)
+        self.rank = self.comm.rank
+        self.n_stages = self.p * self.v
+        self.actions = build_schedule(schedule, self.p, n_microbatches, self.v)[self.rank]
+        self.d_model, self.act_dtype, self.device = d_model, act_dtype, torch.device(device)
+        self.timeline = Timeline(self.rank)
+        self.plan = _plan(self.actions)
+
+    def parameters(self):
+        """Every parameter of this rank's chunks (tied copies appear on each stage holding one)."""
+        for chunk in self.chunks:
+            yield from chunk.parameters()
+
+    def stage(self, chunk: int) -> int:
+        return chunk * self.p + self.rank
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of the batch ``inputs``/``targets`` (``[B, T]``); gradients accumulate
+        into the chunks' ``.grad``. Returns the mean loss on the rank holding the last stage, else None.
+        Every rank passes batches of the same shape; only the first stage reads ``inputs`` and only the
+        last reads ``targets``."""
+        x_mbs = split_microbatches(inputs, self.m)
+        y_mbs = split_microbatches(targets, self.m)
+        act_shape = (*x_mbs[0].shape, self.d_model)
+        tl = self.timeline = Timeline(self.rank)
+        tl.start = time.perf_counter()
+        saved_in: dict[tuple[int, int], torch.Tensor] = {}
+        saved_out: dict[tuple[int, int], torch.Tensor] = {}
+        recvs: dict[tuple[str, int, int], tuple[torch.Tensor, dist.Work]] = {}
+        sends: list[tuple[dist.Work, torch.Tensor]] = []
+        pending: list = []
+        losses: list[torch.Tensor] = []
+        live = 0
+
+        def flush() -> None:
+            if not pending:
+                return
+            ops = []
+            for a in pending:
+                key = (a.chunk, a.mb)
+                if a.kind == SEND_F:
+                    tensor = saved_out[key].detach()
+                elif a.kind == RECV_F or a.kind == RECV_B:
+                    tensor = torch.empty(act_shape, dtype=self.act_dtype, device=self.device)
+                else:  # SEND_B: the gradient of this stage's input
+                    tensor = saved_in.pop(key).grad
+                ops.append((a, tensor))
+            t0 = time.perf_counter()
+            works = self.comm.post(ops)
+            t1 = time.perf_counter()
+            if len(works) != len(ops):  # a coalescing backend returns one handle for the batch
+                works = [works[-1]] * len(ops)
+            for (a, tensor), work in zip(ops, works, strict=True):
+                kind = "send" if a.kind.startswith("send") else "recv"
+                tl.events.append(Event(kind, self.stage(a.chunk), a.mb, t0, t1))
+                if kind == "send":
+                    sends.append((work, tensor))
+                else:
+                    recvs[(a.kind, a.chunk, a.mb)] = (tensor, work)
+            pending.clear()
+
+        def received(kind: str, chunk: int, mb: int) -> torch.Tensor:
+            tensor, work = recvs.pop((kind, chunk, mb))
+            with tl.record("wait", self.stage(chunk), mb):
+                work.wait()
+            return tensor
+
+        for a, recvs_now, sends_after in self.plan:
+            pending.extend(recvs_now)
+            flush()
+            c, i, s = a.chunk, a.mb, self.stage(a.chunk)
+            last = s == self.n_stages - 1
+            if a.kind == F:
+                x = x_mbs[i] if s == 0 else received(RECV_F, c, i).requires_grad_()
+                with tl.record(F, s, i):
+                    out = self.chunks[c](x, y_mbs[i] if last else None)
+                    if last:
+                        losses.append(out.detach())
+                        out = out / self.m
+                if s > 0:
+                    saved_in[(c, i)] = x
+                saved_out[(c, i)] = out
+                live += 1
+                tl.peak_live = max(tl.peak_live, live)
+            elif a.kind == B:
+                grad = None if last else received(RECV_B, c, i)
+                out = saved_out.pop((c, i))
+                with tl.record(B, s, i):
+                    torch.autograd.backward(out, grad)
+                live -= 1
+            pending.extend(sends_after)  # posted with the next batch, right after this computation
+        flush()
+        with tl.record("wait", -1, -1):
+            for work, _ in sends:
+                work.wait()
+        self._sync_tied_grads(tl)
+        tl.end = time.perf_counter()
+        if losses:
+            return torch.stack(losses).mean()
+        return None
+
+    def _sync_tied_grads(self, tl: Timeline) -> None:
+        """Add the gradients of the two copies of a tied weight (first stage, last stage)."""
+        tied = [(c, w) for c, chunk in enumerate(self.chunks) if (w := getattr(chunk, "tied_weight", None)) is not None]
+        if not tied:
+            return
+        if len(tied) == 2:  # both copies on this rank (p == 1, several chunks)
+            g = tied[0][1].grad + tied[1][1].grad
+            for _, w in tied:
+                w.grad.copy_(g)
+            return
+        (c, w), = tied
+        peer = self.p - 1 if self.stage(c) == 0 else 0
+        if peer == self.rank:
+            return
+        other = torch.empty_like(w.grad)
+        tag = message_tag("tied", 0, self.m + 1, self.n_stages)
+        with tl.record("wait", self.stage(c), -1):
+            ops = [dist.P2POp(dist.isend, w.grad, self.comm.stage_ranks[peer], self.comm.group, tag),
+                   dist.P2POp(dist.irecv, other, self.comm.stage_ranks[peer], self.comm.group, tag)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        w.grad.add_(other)
+
+
+def _plan(actions: list[Action]) -> list[tuple[Action, list[Action], list[Action]]]:
+    """``(computation, receives to post before it, sends to post after it)`` for each computation.
+
+    Receives are posted one computation ahead (prefetch): those of computation ``n + 1`` go out
+    with those of ``n``, so a message travels while this rank computes ``n``. Every message has its own
+    tag, so posting early never mismatches."""
+    computes = [k for k, a in enumerate(actions) if a.kind not in COMM]
+    recvs: list[list[Action]] = [[] for _ in computes]
+    sends: list[list[Action]] = [[] for _ in computes]
+    n = -1
+    for a in actions:
+        if a.kind not in COMM:
+            n += 1
+        elif a.kind in (RECV_F, RECV_B):
+            recvs[n + 1].append(a)  # with_comm puts receives right before their computation
+        else:
+            sends[n].append(a)  # ... and sends right after it
+    out = []
+    for n, k in enumerate(computes):
+        now = (recvs[0] if n == 0 else []) + (recvs[n + 1] if n + 1 < len(computes) else [])
+        out.append((actions[k], now, sends[n]))
+    return out

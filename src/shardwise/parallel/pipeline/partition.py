@@ -1,0 +1,207 @@
+"""Split a ``Transformer`` into pipeline stages by layers, and build only the stages a rank owns.
+
+A stage is a contiguous run of blocks; stage 0 also holds the embedding and the last stage the final
+norm and output head (GPipe, Huang et al. 2019 §2.1: "partition the network into K cells ... placed on
+K accelerators"). The split is even, balanced by a per-layer cost (parameters or FLOPs, embedding and
+head included) by minimising the most expensive stage (the linear-partition problem; the pipeline's
+throughput is set by its slowest stage, Narayanan et al. 2019 "PipeDream" §3.1), or given by hand.
+
+:func:`build_stage` constructs the whole model on the ``meta`` device (no memory, no initialisation),
+materialises only the owned modules and initialises them with ``Transformer.reset_parameters``, which
+depends only on (seed, canonical parameter name) -- so every stage holds exactly the weights of the
+corresponding part of the single-device model. With tied embeddings the last stage holds its own copy
+of the token table for the head; :class:`~shardwise.parallel.pipeline.executor.Pipeline` sums the two
+copies' gradients (Shoeybi et al. 2019 "Megatron-LM" / Narayanan et al. 2021 §3 keep the same pair).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from shardwise.config import ModelConfig
+
+METHODS = ("even", "params", "flops")
+
+
+def _check_stages(n_layers: int, n_stages: int) -> None:
+    if n_stages < 1:
+        raise ValueError(f"the number of pipeline stages must be >= 1, got {n_stages}")
+    if n_stages > n_layers:
+        raise ValueError(
+            f"{n_stages} pipeline stages (parallel.pp * parallel.pp_virtual) exceed model.n_layers={n_layers}; "
+            f"every stage needs at least one block: use at most {n_layers} stages")
+
+
+def even_split(n_layers: int, n_stages: int) -> list[range]:
+    """Blocks per stage as equal as possible; the first ``n_layers % n_stages`` stages get one more."""
+    _check_stages(n_layers, n_stages)
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def manual_split(n_layers: int, boundaries: Sequence[int]) -> list[range]:
+    """Stages from the first block index of every stage after the first (like ``split_spec`` in
+    ``torch.distributed.pipelining``): ``boundaries=[1, 3]`` on 4 blocks gives ``[0], [1, 2], [3]``."""
+    b = list(boundaries)
+    _check_stages(n_layers, len(b) + 1)
+    edges = [0, *b, n_layers]
+    if any(lo >= hi for lo, hi in pairwise(edges)):
+        raise ValueError(f"pipeline split boundaries {b} must be strictly increasing within (0, {n_layers})")
+    return [range(lo, hi) for lo, hi in pairwise(edges)]
+
+
+def balanced_split(block_costs: Sequence[float], n_stages: int, first_extra: float = 0.0,
+                   last_extra: float = 0.0) -> list[range]:
+    """Contiguous split of blocks minimising the largest stage cost, where stage 0 also pays
+    ``first_extra`` (embedding) and the last stage ``last_extra`` (head). Exact dynamic programme,
+    O(n_layers^2 * n_stages); ties prefer earlier, longer stages."""
+    n = len(block_costs)
+    _check_stages(n, n_stages)
+    prefix = [0.0]
+    for c in block_costs:
+        prefix.append(prefix[-1] + float(c))
+
+    def cost(s: int, lo: int, hi: int) -> float:
+        return prefix[hi] - prefix[lo] + (first_extra if s == 0 else 0.0) + (last_extra if s == n_stages - 1 else 0.0)
+
+    inf = float("inf")
+    # best[s][j]: minimal max-cost of splitting blocks [0, j) into stages 0..s; arg[s][j]: start of stage s.
+    best = [[inf] * (n + 1) for _ in range(n_stages)]
+    arg = [[0] * (n + 1) for _ in range(n_stages)]
+    for j in range(1, n + 1):
+        best[0][j] = cost(0, 0, j)
+    for s in range(1, n_stages):
+        for j in range(s + 1, n + 1):
+            for i in range(s, j):
+                v = max(best[s - 1][i], cost(s, i, j))
+                if v < best[s][j] - 1e-12 * max(1.0, abs(v)):
+                    best[s][j], arg[s][j] = v, i
+    out, j = [], n
+    for s in range(n_stages - 1, 0, -1):
+        i = arg[s][j]
+        out.append(range(i, j))
+        j = i
+    out.append(range(0, j))
+    return out[::-1]
+
+
+def layer_costs(cfg: ModelConfig, method: str, seq_len: int | None = None) -> tuple[list[float], float, float]:
+    """``(per-block costs, embedding cost, head cost)`` of ``cfg`` by ``method``.
+
+    * ``"params"``: parameter counts (the head counts its weight even when tied to the embedding,
+      because the last stage keeps a copy).
+    * ``"flops"``: forward FLOPs per token -- 2 per matmul weight plus the attention scores and
+      weighted sum, 4 * seq_len * d_model per layer (Kaplan et al. 2020 §2.1, Table 1); the embedding
+      is a lookup (0 FLOPs) and the head a d_model x vocab matmul.
+    """
+    if method not in ("params", "flops"):
+        raise ValueError(f"partition method {method!r} is not a cost; use 'params' or 'flops'")
+    from shardwise.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    block_params = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    embed_params = sum(e.weight.numel() for e in (model.tok_emb, model.pos_emb) if e is not None)
+    head_params = sum(p.numel() for p in model.norm_f.parameters()) + model.lm_head.weight.numel()
+    if method == "params":
+        return [float(n) for n in block_params], float(embed_params), float(head_params)
+    t = seq_len or cfg.max_seq_len
+    blocks = []
+    for b in model.blocks:
+        matmul = sum(m.weight.numel() for m in b.modules() if isinstance(m, nn.Linear))
+        blocks.append(2.0 * matmul + 4.0 * t * cfg.d_model)
+    return blocks, 0.0, 2.0 * model.lm_head.weight.numel()
+
+
+def partition(cfg: ModelConfig, n_stages: int, method: str = "even", boundaries: Sequence[int] | None = None,
+              seq_len: int | None = None) -> list[range]:
+    """The blocks of every stage: ``method`` is ``"even"``, ``"params"``, ``"flops"``, or ``"manual"``
+    (with ``boundaries``, see :func:`manual_split`)."""
+    if boundaries is not None or method == "manual":
+        if boundaries is None:
+            raise ValueError("partition method 'manual' needs boundaries (the first block of stages 1..n-1)")
+        if len(boundaries) != n_stages - 1:
+            raise ValueError(f"{len(boundaries)} split boundaries give {len(boundaries) + 1} stages, not {n_stages}")
+        return manual_split(cfg.n_layers, boundaries)
+    if method == "even":
+        return even_split(cfg.n_layers, n_stages)
+    if method not in METHODS:
+        raise ValueError(f"partition method {method!r} is not valid; use one of {', '.join(METHODS)} or 'manual'")
+    _check_stages(cfg.n_layers, n_stages)
+    blocks, first, last = layer_costs(cfg, method, seq_len)
+    return balanced_split(blocks, n_stages, first, last)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of a ``Transformer``: (embedding) -> its blocks -> (norm + head).
+
+    Registers only owned modules, under the full model's names (``tok_emb``, ``pos_emb``,
+    ``blocks.<layer_id>``, ``norm_f``, ``lm_head``), so ``named_parameters()`` here matches the
+    single-device model's names. Forward reuses the model's own ``embed`` and ``head``.
+    ``forward(x, targets)``: ``x`` is tokens on the first stage, else activations; the last stage
+    returns the loss (with ``targets``) or logits, the others activations.
+    """
+
+    def __init__(self, model: nn.Module, stage: int, n_stages: int, blocks: range):
+        super().__init__()
+        self.stage, self.n_stages = stage, n_stages
+        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        self.layer_ids = list(blocks)
+        object.__setattr__(self, "_model", model)  # not a child: its other modules stay on meta
+        if self.is_first or (self.is_last and model.cfg.tie_embeddings):
+            self.tok_emb = model.tok_emb
+        if self.is_first and model.pos_emb is not None:
+            self.pos_emb = model.pos_emb
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+        if self.is_last:
+            self.norm_f, self.lm_head = model.norm_f, model.lm_head
+        if model.rope is not None and len(blocks):
+            self.rope = model.rope
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.is_first:
+            x = self._model.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.is_last:
+            return self._model.head(x, targets)
+        return x
+
+    @property
+    def tied_weight(self) -> nn.Parameter | None:
+        """The token table when the model ties it to the head and this stage holds one of its copies."""
+        if self._model.cfg.tie_embeddings and (self.is_first or self.is_last) and self.n_stages > 1:
+            return self.tok_emb.weight
+        return None
+
+
+def build_stage(cfg: ModelConfig, stage: int, n_stages: int, blocks: range, seed: int = 0,
+                device: torch.device | str = "cpu") -> StageModule:
+    """Build stage ``stage`` of ``n_stages`` holding ``blocks``, allocating only what it owns.
+
+    The model is constructed on ``meta``; owned modules are moved with ``to_empty`` and initialised by
+    ``Transformer.reset_parameters(seed)``, which skips meta parameters -- identical values to the
+    corresponding parameters of ``Transformer(cfg)`` reset with the same seed."""
+    from shardwise.model.transformer import Transformer
+
+    if not 0 <= stage < n_stages:
+        raise ValueError(f"stage {stage} is outside 0..{n_stages - 1}")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    owned = StageModule(model, stage, n_stages, blocks)
+    owned.to_empty(device=device)
+    # to_empty unties lm_head from tok_emb; reset_parameters re-ties them (both are materialised
+    # on the last stage) and initialises every non-meta parameter by its canonical name.
+    model.reset_parameters(seed)
+    return owned

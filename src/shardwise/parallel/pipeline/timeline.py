@@ -1,0 +1,137 @@
+"""What each pipeline rank did and when: recording, bubble and memory measures, Gantt chart, Chrome trace.
+
+A :class:`Timeline` holds one rank's events of one step -- ``F``/``B`` (compute), ``send``/``recv``
+(posting communication) and ``wait`` (blocked on a receive) -- as ``(kind, stage, mb, start, end)``
+with ``time.perf_counter`` seconds (``CLOCK_MONOTONIC`` on Linux, so comparable between processes
+of one machine). :func:`bubble_fraction` compares the busy time of every rank with the span of
+the whole step; the theoretical value is :func:`~shardwise.parallel.pipeline.schedules.theoretical_bubble`
+(Narayanan et al. 2021 §2.2). The Chrome trace follows the Trace Event Format ("X" complete
+events; https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+COMPUTE = ("F", "B")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval of one rank: ``kind`` in F, B, send, recv, wait; ``stage`` is the global stage."""
+
+    kind: str
+    stage: int
+    mb: int
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    """The events of one pipeline rank in one step, and its peak number of live micro-batch activations."""
+
+    rank: int
+    events: list[Event] = field(default_factory=list)
+    peak_live: int = 0
+    start: float = 0.0
+    end: float = 0.0
+
+    @contextmanager
+    def record(self, kind: str, stage: int, mb: int):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.events.append(Event(kind, stage, mb, t0, time.perf_counter()))
+
+    def busy(self) -> float:
+        """Seconds spent in forward and backward computation."""
+        return sum(e.end - e.start for e in self.events if e.kind in COMPUTE)
+
+
+def bubble_fraction(timelines: Sequence[Timeline]) -> float:
+    """Measured idle fraction of a step over all ranks: ``1 - sum(busy) / (p * span)``, where the span
+    runs from the first rank's step start to the last rank's step end."""
+    t0 = min(t.start for t in timelines)
+    t1 = max(t.end for t in timelines)
+    if t1 <= t0:
+        return 0.0
+    return 1.0 - sum(t.busy() for t in timelines) / (len(timelines) * (t1 - t0))
+
+
+def gather_timelines(timeline: Timeline, group=None) -> list[Timeline]:
+    """All pipeline ranks' timelines on every rank of ``group`` (the pipeline's group)."""
+    import torch.distributed as dist
+
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, timeline, group=group)
+    return out
+
+
+def chrome_trace(timelines: Sequence[Timeline]) -> dict:
+    """A Trace Event Format object: one process row per pipeline rank, times in microseconds."""
+    t0 = min(t.start for t in timelines)
+    events = []
+    for t in timelines:
+        events.append({"name": "process_name", "ph": "M", "pid": t.rank, "args": {"name": f"stage rank {t.rank}"}})
+        for e in t.events:
+            events.append({
+                "name": f"{e.kind}{e.mb}" if e.kind in COMPUTE else f"{e.kind} mb{e.mb}",
+                "cat": e.kind, "ph": "X", "pid": t.rank, "tid": 0 if e.kind in COMPUTE else 1,
+                "ts": (e.start - t0) * 1e6, "dur": (e.end - e.start) * 1e6,
+                "args": {"stage": e.stage, "microbatch": e.mb},
+            })
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(timelines: Sequence[Timeline], path: str | Path) -> Path:
+    """Write :func:`chrome_trace` as JSON (open in chrome://tracing or ui.perfetto.dev)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(timelines)))
+    return path
+
+
+def plot_gantt(timelines: Sequence[Timeline], path: str | Path, title: str | None = None) -> Path:
+    """Gantt chart PNG, one row per pipeline rank: forward blue, backward green, waits grey hatched;
+    each box is labelled with its micro-batch (a prime, and a lighter shade, for a rank's second chunk
+    of an interleaved schedule; ``c<k>`` for later chunks). The measured bubble goes in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = min(t.start for t in timelines)
+    span = max(t.end for t in timelines) - t0
+    colours = {"F": "#4c72b0", "B": "#55a868"}
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(timelines) + 1.2))
+    for t in timelines:
+        y = t.rank
+        for e in t.events:
+            x, w = (e.start - t0) * 1e3, (e.end - e.start) * 1e3
+            if e.kind in COMPUTE:
+                chunk = (e.stage - t.rank) // len(timelines)  # stage = chunk * p + rank
+                ax.barh(y, w, left=x, height=0.8, color=colours[e.kind], edgecolor="black", linewidth=0.3,
+                        alpha=1.0 if chunk % 2 == 0 else 0.6)
+                if w > span * 1e3 / 80:
+                    label = str(e.mb) if chunk == 0 else f"{e.mb}'" if chunk == 1 else f"{e.mb}c{chunk}"
+                    ax.text(x + w / 2, y, label, ha="center", va="center", fontsize=7, color="white")
+            elif e.kind == "wait":
+                ax.barh(y, w, left=x, height=0.3, color="#bbbbbb", hatch="//", linewidth=0)
+    ax.set_yticks([t.rank for t in timelines], [f"rank {t.rank}" for t in timelines])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    measured = bubble_fraction(timelines)
+    ax.set_title((title + " -- " if title else "") + f"measured bubble {measured:.1%}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
