@@ -147,9 +147,19 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size (not implemented yet: must be 1)."""
     zero: int = 0
-    """ZeRO stage (not implemented yet: must be 0)."""
+    """ZeRO stage (Rajbhandari et al. 2020): 0 = plain data parallel, 1 = shard optimizer states,
+    2 = also gradients, 3 = also parameters (shardwise.parallel.zero)."""
+    zero_unit: int = 1
+    """With zero = 3: transformer blocks per sharding unit (gathered and freed together)."""
     offload: str = "none"
-    """Optimizer offload (not implemented yet: must be "none")."""
+    """With zero >= 1: where fp32 master weights and optimizer states live and are stepped:
+    "none", "cpu" (ZeRO-Offload) or "disk" (memory-mapped files under offload_dir)."""
+    offload_dir: str = ""
+    """With offload = "disk": directory for the memory-mapped files; default RUN_DIR/offload."""
+    zero_quant_weights: bool = False
+    """With zero = 3: all-gather parameters as int8 blocks (ZeRO++ qwZ); lossy."""
+    zero_quant_grads: bool = False
+    """With zero >= 1: reduce-scatter gradients as int8 blocks via all-to-all (ZeRO++ qgZ); lossy."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule (used once pipeline parallelism lands)."""
     microbatches: int | None = None
@@ -485,10 +495,18 @@ def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
     for axis, name in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
         if getattr(p, axis) != 1:
             raise ConfigError(f"parallel.{axis}={getattr(p, axis)}: {name} parallelism is not implemented yet; use 1")
-    if p.zero != 0:
-        raise ConfigError(f"parallel.zero={p.zero}: ZeRO is not implemented yet; use 0")
-    if p.offload != "none":
-        raise ConfigError(f"parallel.offload={p.offload!r}: offload is not implemented yet; use 'none'")
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero={p.zero}: use 0 (off), 1, 2 or 3")
+    if p.offload not in ("none", "cpu", "disk"):
+        raise ConfigError(f"parallel.offload={p.offload!r}: use 'none', 'cpu' or 'disk'")
+    if p.offload != "none" and p.zero == 0:
+        raise ConfigError(f"parallel.offload={p.offload!r} needs ZeRO; set parallel.zero to 1, 2 or 3")
+    _positive("parallel.zero_unit", p.zero_unit)
+    if p.zero_quant_weights and p.zero != 3:
+        raise ConfigError(f"parallel.zero_quant_weights=true quantizes ZeRO-3's parameter gathers, "
+                          f"but parallel.zero={p.zero}; set parallel.zero=3")
+    if p.zero_quant_grads and p.zero == 0:
+        raise ConfigError("parallel.zero_quant_grads=true needs ZeRO; set parallel.zero to 1, 2 or 3")
     if p.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel=true: sequence parallelism is not implemented yet; use false")
     _positive("parallel.bucket_mb", p.bucket_mb)

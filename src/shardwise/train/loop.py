@@ -23,6 +23,8 @@ from shardwise.dist.comm.compress import gradient_all_reduce
 from shardwise.dist.mesh import ParallelDims, init_distributed
 from shardwise.model import Transformer
 from shardwise.parallel.data import DataParallel
+from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
+from shardwise.train import memory as train_memory
 from shardwise.train import state as train_state
 from shardwise.train.checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
 from shardwise.train.flops import peak_flops, training_flops_per_token
@@ -74,9 +76,18 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     if tcfg.recompute == "full":
         apply_activation_checkpointing(model.blocks, tcfg.recompute_every)
     model.to(device)
-    ddp = DataParallel(model, group=dp_group, bucket_mb=cfg.parallel.bucket_mb,
-                       all_reduce_fn=gradient_all_reduce(cfg.comm))
-    optimizer = build_optimizer(model, tcfg)
+    zero = cfg.parallel.zero
+    if zero:  # ZeRO-1/2/3 (parallel/zero): the sharded optimizer steps this rank's slice of AdamW
+        ddp = ZeroDataParallel(model, group=dp_group, stage=zero, bucket_mb=cfg.parallel.bucket_mb,
+                               unit_blocks=cfg.parallel.zero_unit, offload=cfg.parallel.offload,
+                               offload_dir=cfg.parallel.offload_dir or str(run_dir / "offload"),
+                               quant_weights=cfg.parallel.zero_quant_weights,
+                               quant_grads=cfg.parallel.zero_quant_grads)
+        optimizer = ZeroOptimizer(ddp, build_optimizer(model, tcfg))
+    else:
+        ddp = DataParallel(model, group=dp_group, bucket_mb=cfg.parallel.bucket_mb,
+                           all_reduce_fn=gradient_all_reduce(cfg.comm))
+        optimizer = build_optimizer(model, tcfg)
     scaler = DynamicLossScaler(tcfg.fp16_init_scale, growth_interval=tcfg.fp16_growth_interval) \
         if tcfg.precision == "fp16" else None
 
@@ -88,7 +99,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         found = latest_valid_checkpoint(ckpt_root, warn=log.log_event if rank == 0 else (lambda _m: None))
         if found is not None:
             tensors, meta = load_checkpoint(found)
-            start_step = train_state.restore(tensors, meta, model, optimizer, scaler, sampler, rank)
+            start_step = train_state.restore(tensors, meta, ddp if zero else model, optimizer, scaler, sampler, rank)
             log.log_event(f"resumed from {found} at step {start_step}")
         else:
             log.log_event(f"no valid checkpoint in {ckpt_root}; starting from step 0")
@@ -133,8 +144,12 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
                 scaled = loss / len(micro_batches)
                 (scaler.scale_loss(scaled) if scaler else scaled).backward()
 
-        found_inf = scaler.unscale_(model.parameters()) if scaler else False
-        grad_norm = _clip_grad_norm(model, tcfg.grad_clip)
+        if zero:
+            found_inf = scaler.unscale_(optimizer.master_params(), group=dp_group) if scaler else False
+            grad_norm = ddp.clip_grad_norm_(tcfg.grad_clip)
+        else:
+            found_inf = scaler.unscale_(model.parameters()) if scaler else False
+            grad_norm = _clip_grad_norm(model, tcfg.grad_clip)
         if not found_inf:
             optimizer.step()
         if scaler:
@@ -151,7 +166,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
             "loss": step_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
             "step_time_s": elapsed, "mfu": tokens_per_s * flops_per_token / (peak * world) if peak else 0.0,
             "comm_bytes": float(ddp.comm_bytes_last_step),
-            "comm_sent_bytes": float(ddp.all_reduce_fn.pop_bytes_sent()),
+            "comm_sent_bytes": float(ddp.pop_comm_bytes() if zero else ddp.all_reduce_fn.pop_bytes_sent()),
         }
         if scaler:
             metrics.update(loss_scale=scaler.scale, skipped_steps=float(scaler.skipped_steps))
@@ -162,15 +177,22 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
                 metrics["val_loss"] = val_loss
         if done == tcfg.steps or done % 10 == 0 or done == 1:
             metrics.update({f"mem_{k}": float(v) for k, v in process_memory_bytes().items()})
+            accounted = train_memory.model_state_bytes(ddp, optimizer)
+            metrics.update({f"mem_{k}_bytes": float(v) for k, v in accounted.items()})
+        if done == start_step + 1:  # after the first step, when the optimizer state exists: the start-up table
+            per_rank = train_memory.gather_per_rank(train_memory.model_state_bytes(ddp, optimizer), dp_group)
+            log.log_event(train_memory.format_table(per_rank, title=f"model-state bytes per rank (zero={zero})"))
         log.log(done, metrics)
         if not math.isfinite(step_loss) and scaler is None:
             raise FloatingPointError(f"loss became {step_loss} at step {done}; lower train.lr or use train.grad_clip")
         if done == tcfg.steps or (cfg.ckpt.every and done % cfg.ckpt.every == 0):
-            _save(cfg, ckpt_root, done, model, optimizer, scaler, sampler, rank)
+            _save(cfg, ckpt_root, done, ddp if zero else model, optimizer, scaler, sampler, rank,
+                  consolidate=bool(zero))
         if stop_after is not None and done >= stop_after:
             break
     log.close()
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if collect_state else {}
+    full = (ddp.state_dict() if zero else model.state_dict()) if collect_state else {}
+    state = {k: v.detach().cpu().clone() for k, v in full.items()}
     return TrainResult(losses=losses, val_loss=val_loss, final_step=done, state_dict=state)
 
 
@@ -202,10 +224,15 @@ def evaluate(ddp, windows: TokenWindows, tcfg, dp_rank: int, dp_size: int, group
     return float(total[0] / total[1]) if total[1] else None
 
 
-def _save(cfg, root, step, model, optimizer, scaler, sampler, rank) -> None:
-    """Rank 0 writes the checkpoint (data-parallel replicas are identical); RNG states of all ranks are kept."""
+def _save(cfg, root, step, model, optimizer, scaler, sampler, rank, consolidate: bool = False) -> None:
+    """Rank 0 writes the checkpoint (data-parallel replicas are identical); RNG states of all ranks are kept.
+
+    With ``consolidate`` (ZeRO) every rank first takes part in gathering the unsharded model and
+    optimizer state, so the checkpoint has the same layout-independent form as a data-parallel one."""
     rng_states = train_state.gather_rng_states()
+    states = (model.state_dict(), optimizer.state_dict()) if consolidate else (None, None)
     if rank == 0:
-        tensors, meta = train_state.capture(model, optimizer, scaler, sampler, step, rng_states, cfg)
+        tensors, meta = train_state.capture(model, optimizer, scaler, sampler, step, rng_states, cfg,
+                                            model_state=states[0], optimizer_state=states[1])
         save_checkpoint(root, step, tensors, meta, keep=cfg.ckpt.keep)
     dist.barrier()

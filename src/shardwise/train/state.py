@@ -25,10 +25,13 @@ def gather_rng_states() -> list[torch.Tensor]:
     return gathered
 
 
-def capture(model, optimizer, scaler, sampler, step: int, rng_states, cfg) -> tuple[dict, dict]:
-    opt_tensors, opt_meta = optimizer_state_to_tensors(optimizer.state_dict())
+def capture(model, optimizer, scaler, sampler, step: int, rng_states, cfg,
+            model_state: dict | None = None, optimizer_state: dict | None = None) -> tuple[dict, dict]:
+    """Everything a checkpoint holds. ``model_state`` / ``optimizer_state``, when given, replace
+    ``model.state_dict()`` / ``optimizer.state_dict()`` (ZeRO gathers them on all ranks beforehand)."""
+    opt_tensors, opt_meta = optimizer_state_to_tensors(optimizer_state or optimizer.state_dict())
     tensors = {
-        "model": {k: v for k, v in model.state_dict().items()},
+        "model": {k: v for k, v in (model_state or model.state_dict()).items()},
         "optimizer": opt_tensors,
         "rng": {f"rank{r}": s for r, s in enumerate(rng_states)},
     }

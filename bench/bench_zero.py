@@ -1,0 +1,234 @@
+"""Benchmark: our ZeRO-1/2/3 against torch's ``ZeroRedundancyOptimizer`` and ``fully_shard`` (FSDP2).
+
+Every variant trains the same shardwise Transformer (``cpu-demo`` shape, widened to ~25M
+parameters) with AdamW in fp32. Step time (forward + backward + optimizer step, slowest rank) is
+measured with all variants in the same processes, interleaved step by step with rotating order;
+memory in a fresh set of processes per (variant, world size), so that each process's peak RSS
+belongs to one variant. Reported per variant: the median step time, the peak RSS (max over
+ranks), the peak RSS above the RSS before the model was built ("state + activations", where the
+variants differ) and the largest RSS sampled during training steps; then the ratios ours / peer:
+
+* ZeRO-1 and ZeRO-2 against ``DistributedDataParallel`` + ``ZeroRedundancyOptimizer`` (stage 1);
+* ZeRO-3 against ``fully_shard`` applied to every block and to the root (stage 3).
+
+    python bench/bench_zero.py                       # 2 and 4 ranks, writes bench/results/zero.json
+    python bench/bench_zero.py --worlds 2 --steps 5  # quicker
+
+Memory: worker processes start with ``MALLOC_MMAP_THRESHOLD_=65536`` (``--mmap-threshold``), for
+every variant alike. glibc otherwise raises its mmap threshold dynamically after the first large
+free, after which freed tensors stay in the heap and RSS no longer follows the live tensors
+(ours and the peers' RSS then grow step after step with allocator churn, not with state).
+
+Variants run one after another, so drift on a shared machine is not cancelled as in
+bench_ddp.py's interleaving; rerun to see the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RESULTS = Path(__file__).resolve().parent / "results" / "zero.json"
+VARIANTS = ("zero1", "torch_zero_redundancy", "zero2", "zero3", "torch_fully_shard")
+PAIRS = (("zero1", "torch_zero_redundancy"), ("zero2", "torch_zero_redundancy"), ("zero3", "torch_fully_shard"))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm", encoding="ascii") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def build_model(args):
+    from shardwise.config import Config
+    from shardwise.model import Transformer
+
+    overrides = {"model.preset": "cpu-demo", "model.d_model": str(args.d_model),
+                 "model.n_layers": str(args.n_layers), "data.seq_len": str(args.seq_len)}
+    cfg = Config.load(overrides=overrides).resolve(world_size=2, tokenizer_vocab=257).model
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.reset_parameters(0)
+    return model
+
+
+def _wrap(variant: str, model, args):
+    """(callable model, optimizer) for one variant."""
+    adamw = {"lr": 1e-4, "weight_decay": 0.1}
+    if variant.startswith("zero"):
+        from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
+
+        engine = ZeroDataParallel(model, stage=int(variant[-1]), bucket_mb=args.bucket_mb)
+        return engine, ZeroOptimizer(engine, torch.optim.AdamW(model.parameters(), **adamw))
+    if variant == "torch_zero_redundancy":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+        return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+    if variant == "torch_fully_shard":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), **adamw)
+    raise ValueError(variant)
+
+
+def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None:
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rss0 = _rss()
+    net, opt = _wrap(variant, build_model(args), args)
+    g = torch.Generator().manual_seed(1000 + rank)
+    times, losses, sampled = [], [], 0
+    for step in range(args.warmup + args.memory_steps):
+        x = torch.randint(0, 257, (args.batch, args.seq_len), generator=g)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = net(x, x)
+        sampled = max(sampled, _rss())
+        loss.backward()
+        sampled = max(sampled, _rss())
+        opt.step()
+        sampled = max(sampled, _rss())
+        opt.zero_grad(set_to_none=True)
+        t = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if step >= args.warmup:
+            times.append(float(t))
+            losses.append(float(loss.detach()))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    mem = torch.tensor([peak, peak - rss0, sampled - rss0], dtype=torch.float64)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        queue.put({"step_s_median": statistics.median(times), "step_s": times, "losses": losses,
+                   "peak_rss_bytes": int(mem[0]), "peak_rss_above_start_bytes": int(mem[1]),
+                   "training_rss_above_start_bytes": int(mem[2]),
+                   "parameters": sum(p.numel() for p in build_model(args).parameters())})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _time_worker(rank: int, world: int, port: int, variants: list[str], args, queue) -> None:
+    """All variants in the same processes, one model each; every step runs each variant once, the
+    order rotating from step to step, so machine drift hits all of them alike (as bench_ddp.py)."""
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    nets = {v: _wrap(v, build_model(args), args) for v in variants}
+    g = torch.Generator().manual_seed(1000 + rank)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for step in range(args.warmup + args.steps):
+        x = torch.randint(0, 257, (args.batch, args.seq_len), generator=g)
+        order = variants[step % len(variants):] + variants[:step % len(variants)]
+        for v in order:
+            net, opt = nets[v]
+            dist.barrier()
+            t0 = time.perf_counter()
+            net(x, x).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if step >= args.warmup:
+                times[v].append(float(t))
+    if rank == 0:
+        queue.put(times)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(fn, what, world: int, args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(fn, args=(world, _free_port(), what, args, queue), nprocs=world, start_method="spawn")
+    return queue.get()
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="numbers of ranks")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--memory-steps", type=int, default=3, help="steps of each single-variant memory run")
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-layers", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--mmap-threshold", type=int, default=65536,
+                   help="MALLOC_MMAP_THRESHOLD_ for the workers (glibc; 0: leave the allocator's default)")
+    p.add_argument("--json", default=str(RESULTS))
+    args = p.parse_args(argv)
+    if args.mmap_threshold:  # read by glibc at start-up of each spawned worker
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    out = {"benchmark": "ZeRO: shardwise ZeRO-1/2/3 vs torch ZeroRedundancyOptimizer and fully_shard",
+           "command": "python bench/bench_zero.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+           "platform": platform.platform(), "cpu_count": os.cpu_count(), "backend": "gloo",
+           "precision": "fp32", "d_model": args.d_model, "n_layers": args.n_layers, "seq_len": args.seq_len,
+           "batch_per_rank": args.batch, "warmup": args.warmup, "steps": args.steps,
+           "malloc_mmap_threshold": args.mmap_threshold, "worlds": {}}
+    for world in args.worlds:
+        runs = {}
+        timed = _launch(_time_worker, list(args.variants), world, args)
+        for v in args.variants:
+            runs[v] = _launch(_worker, v, world, args)  # memory: one variant per set of processes
+            runs[v]["alone_step_s_median"] = runs[v].pop("step_s_median")
+            runs[v]["alone_step_s"] = runs[v].pop("step_s")
+            runs[v]["step_s"] = timed[v]
+            runs[v]["step_s_median"] = statistics.median(timed[v])
+            print(f"world {world} {v:<24} step {runs[v]['step_s_median']:.3f}s  "
+                  f"peak RSS {runs[v]['peak_rss_bytes'] / 2**20:.0f} MiB "
+                  f"(+{runs[v]['peak_rss_above_start_bytes'] / 2**20:.0f} MiB; in training "
+                  f"+{runs[v]['training_rss_above_start_bytes'] / 2**20:.0f} MiB)", flush=True)
+        ratios = {}
+        for ours, peer in PAIRS:
+            if ours in runs and peer in runs:
+                a, b = runs[ours], runs[peer]
+                ratios[f"{ours}/{peer}"] = {
+                    "step_time": a["step_s_median"] / b["step_s_median"],
+                    "step_time_per_step_median": statistics.median(
+                        x / y for x, y in zip(a["step_s"], b["step_s"], strict=True)),
+                    "peak_rss": a["peak_rss_bytes"] / b["peak_rss_bytes"],
+                    "peak_rss_above_start": a["peak_rss_above_start_bytes"] / b["peak_rss_above_start_bytes"],
+                    "training_rss_above_start": a["training_rss_above_start_bytes"]
+                    / b["training_rss_above_start_bytes"],
+                }
+        out["worlds"][str(world)] = {"runs": runs, "ratios": ratios}
+        out["parameters"] = next(iter(runs.values()))["parameters"]
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nmodel {out['parameters'] / 1e6:.1f}M parameters, fp32, gloo; ratios ours / peer:")
+    print(f"{'ranks':<6}{'pair':<38}{'step time':>10}{'peak RSS':>10}{'peak above start':>18}"
+          f"{'training RSS above start':>26}")
+    for world, r in out["worlds"].items():
+        for pair, q in r["ratios"].items():
+            print(f"{world:<6}{pair:<38}{q['step_time']:>10.2f}{q['peak_rss']:>10.2f}"
+                  f"{q['peak_rss_above_start']:>18.2f}{q['training_rss_above_start']:>26.2f}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""A flat, padded, evenly sharded group of parameters: the storage unit of every ZeRO stage.
+
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models" (SC'20), §5: the parameters of a unit (a gradient bucket for ZeRO-1/2, a transformer
+block for ZeRO-3) are laid end to end in one buffer, padded with zeros to a multiple of the
+data-parallel size N, and rank ``r`` owns the ``r``-th of N equal slices. Equal slices are what
+``reduce_scatter_tensor`` / ``all_gather_into_tensor`` need (gloo cannot gather unequal sizes).
+
+Each model parameter becomes a view into the unit's full buffer (``param.data = full[a:b]``),
+so gathering the full buffer refills every parameter at once, and freeing it (resizing its
+storage to zero bytes, as FSDP does) frees them all while the parameters keep their shapes.
+
+The *pieces* of a unit on a rank are the intersections of its parameters with the rank's
+slice. They are what the optimizer sees: one leaf tensor per piece, so a parameter's weight
+decay group and AdamW's element-wise arithmetic are exactly those of the unsharded run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(eq=False)
+class Piece:
+    """The part ``[start, stop)`` of parameter ``param_index`` of a unit that this rank owns."""
+
+    param_index: int
+    start: int
+    """Offset into the flattened parameter."""
+    stop: int
+    shard_offset: int
+    """Where the piece begins inside this rank's shard."""
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+class FlatUnit:
+    """One flat-sharded group of parameters.
+
+    Args:
+        names: the parameters' qualified names (for checkpoints and error messages).
+        params: the parameters, deduplicated (a tied weight appears once).
+        rank, world: this rank's position in, and the size of, the data-parallel group.
+        dtype: dtype of the flat parameter buffer (the compute copy's dtype).
+        sharded: ZeRO-3: build only ``shard`` (this rank's slice) from the parameters and leave
+            the full buffer unallocated, so sharding a model never holds a second full copy of a unit.
+    """
+
+    def __init__(self, index: int, names: list[str], params: list[nn.Parameter], rank: int, world: int,
+                 dtype: torch.dtype | None = None, sharded: bool = False):
+        self.index = index
+        self.names = names
+        self.params = params
+        self.rank, self.world = rank, world
+        self.dtype = dtype or params[0].dtype
+        device = params[0].device
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.numel = sum(self.numels)
+        self.shard_numel = -(-self.numel // world)
+        self.padded_numel = self.shard_numel * world
+        lo = rank * self.shard_numel
+        self.pieces: list[Piece] = []
+        for i, (off, n) in enumerate(zip(self.offsets, self.numels, strict=True)):
+            a, b = max(off, lo), min(off + n, lo + self.shard_numel)
+            if a < b:
+                self.pieces.append(Piece(i, a - off, b - off, a - lo))
+        with torch.no_grad():
+            if sharded:  # ZeRO-3: keep only the own slice; the full buffer is never filled here
+                self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+                for pc in self.pieces:
+                    src = params[pc.param_index].detach().reshape(-1)[pc.start:pc.stop]
+                    self.shard[pc.shard_offset:pc.shard_offset + pc.numel].copy_(src)
+                self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
+            else:
+                self.full = torch.zeros(self.padded_numel, dtype=self.dtype, device=device)
+                for p, off, n in zip(params, self.offsets, self.numels, strict=True):
+                    self.full[off:off + n].copy_(p.detach().reshape(-1))
+                self.shard = self.own_slice(self.full)
+            for p, off, n in zip(params, self.offsets, self.numels, strict=True):
+                p.data = self.full[off:off + n].view(p.shape)
+        self.gathered = True
+        self.gather_work = None
+        if sharded:
+            self.free_full()
+
+    # ---- the rank's slice -----------------------------------------------------------------
+
+    def own_slice(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's ``shard_numel`` elements of a padded flat buffer."""
+        return flat[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+
+    def flat_grad(self, divide_by: int) -> torch.Tensor:
+        """The parameters' gradients laid out like ``full`` (zeros for padding and missing grads), divided."""
+        out = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.full.device)
+        for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
+            if p.grad is not None:
+                torch.div(p.grad.reshape(-1), divide_by, out=out[off:off + n])
+        return out
+
+    # ---- freeing and refilling the full buffer (ZeRO-3) ----------------------------------------
+
+    def free_full(self) -> None:
+        """Release the full buffer's memory; parameters keep their shapes but hold no data."""
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def alloc_full(self) -> None:
+        if not self.gathered and self.gather_work is None:
+            self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+
+    def param_bytes_full(self) -> int:
+        return self.padded_numel * self.full.element_size()
+

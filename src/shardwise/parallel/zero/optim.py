@@ -1,0 +1,208 @@
+"""The sharded optimizer and the layout-independent ("consolidated") state of a ZeRO run.
+
+:class:`ZeroOptimizer` takes the optimizer an unsharded run would use (e.g. the AdamW of
+``shardwise.train.optim.build_optimizer``) as a *reference*: it keeps its class, hyper-parameters
+and parameter groups, but steps only this rank's master pieces (Rajbhandari et al. 2020, §5.1:
+each rank updates its 1/N of the optimizer state). Element-wise optimizers (Adam, AdamW, SGD)
+compute exactly what the reference would on those elements.
+
+Checkpoints are *consolidated*: ``state_dict()`` (a collective) all-gathers every slice and
+returns what the reference optimizer's ``state_dict()`` would hold after the same steps, and
+:func:`full_model_state` returns the plain model state dict. Loading slices these full tensors
+for the current layout, so a checkpoint resumes on any number of data-parallel ranks, any ZeRO
+stage, or without ZeRO at all (resharding on load). The price is one full copy of the state
+in each rank's memory while saving or loading.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from shardwise.parallel.zero.engine import ZeroDataParallel
+
+
+def _gather_flat(engine: ZeroDataParallel, unit, values: dict[int, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
+    """All-gather a unit-shaped flat tensor whose rank slices are given piece by piece
+    (``values[param_index]`` for this rank's pieces of ``unit``)."""
+    shard = torch.zeros(unit.shard_numel, dtype=dtype, device=unit.shard.device)
+    for pc in unit.pieces:
+        if pc.param_index in values:
+            shard[pc.shard_offset:pc.shard_offset + pc.numel].copy_(values[pc.param_index].reshape(-1))
+    if engine.world == 1:
+        return shard
+    full = torch.empty(unit.padded_numel, dtype=dtype, device=shard.device)
+    dist.all_gather_single(full, shard, group=engine.group)
+    return full
+
+
+def _master_of(engine: ZeroDataParallel) -> dict[tuple[int, int], torch.Tensor]:
+    return {(u.index, pc.param_index): m for u, pc, m in engine.masters.entries}
+
+
+@torch.no_grad()
+def full_model_state(engine: ZeroDataParallel) -> dict[str, torch.Tensor]:
+    """The unsharded model's ``state_dict()`` (fp32 master values), on every rank. A collective."""
+    masters = _master_of(engine)
+    by_param: dict[int, torch.Tensor] = {}
+    for u in engine.units:
+        values = {pc.param_index: masters[(u.index, pc.param_index)] for pc in u.pieces}
+        full = _gather_flat(engine, u, values).cpu()
+        for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
+            by_param[id(p)] = full[off:off + n].view(p.shape).to(p.dtype).clone()
+    out = {}
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        out[name] = by_param[id(t)] if id(t) in by_param else t.detach().cpu().clone()
+    return out
+
+
+@torch.no_grad()
+def load_full_model_state(engine: ZeroDataParallel, state: dict[str, torch.Tensor]) -> tuple[list, list]:
+    """Load an unsharded state dict into the shards, master pieces and buffers; returns (missing, unexpected)."""
+    live = engine.module.state_dict(keep_vars=True)
+    missing = [k for k in live if k not in state]
+    unexpected = [k for k in state if k not in live]
+    if missing or unexpected:
+        return missing, unexpected
+    name_of = {}
+    for name, t in live.items():
+        name_of.setdefault(id(t), name)
+    masters = _master_of(engine)
+    for u in engine.units:
+        flat = torch.zeros(u.padded_numel, dtype=torch.float32)
+        for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
+            flat[off:off + n].copy_(state[name_of[id(p)]].reshape(-1))
+        own = u.own_slice(flat).to(u.shard.device)
+        u.shard.copy_(own)
+        if engine.stage < 3 or u.gathered:
+            u.full.copy_(flat.to(u.full.device))
+        for pc in u.pieces:
+            m = masters[(u.index, pc.param_index)]
+            if engine.masters.separate:
+                m.copy_(own[pc.shard_offset:pc.shard_offset + pc.numel])
+    params = {id(p) for u in engine.units for p in u.params}
+    for name, t in live.items():
+        if id(t) not in params:
+            t.data.copy_(state[name])
+    return [], []
+
+
+class ZeroOptimizer:
+    """Step this rank's master pieces with the reference optimizer's algorithm and settings.
+
+    ``param_groups`` mirrors the reference's groups (so learning-rate schedules work unchanged);
+    ``step()`` updates the pieces and then lets the engine write them back and all-gather.
+    """
+
+    def __init__(self, engine: ZeroDataParallel, reference: torch.optim.Optimizer):
+        self.engine = engine
+        self.reference_groups = [list(g["params"]) for g in reference.param_groups]
+        self._ref_index: dict[int, int] = {}
+        for p in (p for g in self.reference_groups for p in g):
+            self._ref_index.setdefault(id(p), len(self._ref_index))
+        group_of = {id(p): gi for gi, g in enumerate(self.reference_groups) for p in g}
+        pieces: list[list[torch.Tensor]] = [[] for _ in reference.param_groups]
+        self._entries = []  # (reference index, piece, master)
+        for u, pc, m in engine.masters.entries:
+            p = u.params[pc.param_index]
+            pieces[group_of[id(p)]].append(m)
+            self._entries.append((self._ref_index[id(p)], u, pc, m))
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ps}
+                  for g, ps in zip(reference.param_groups, pieces, strict=True)]
+        accepted = inspect.signature(type(reference)).parameters
+        self.inner = type(reference)(groups, **{k: v for k, v in reference.defaults.items() if k in accepted})
+        if engine.masters.offload == "disk":
+            self._map_state_to_disk()
+
+    def _map_state_to_disk(self) -> None:
+        """Pre-create the moments in memory-mapped files (the optimizer then updates them in place)."""
+        for ref_i, u, pc, m in self._entries:
+            self.inner.state[m] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": self.engine.masters.mapped(f"exp_avg_u{u.index}_p{pc.param_index}_{ref_i}", m.numel()),
+                "exp_avg_sq": self.engine.masters.mapped(f"exp_avg_sq_u{u.index}_p{pc.param_index}_{ref_i}",
+                                                         m.numel()),
+            }
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def master_params(self) -> list[torch.Tensor]:
+        return self.engine.masters.params()
+
+    def step(self) -> None:
+        self.inner.step()
+        self.engine.after_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors with one element per parameter element (Adam's moments)."""
+        return sum(v.numel() * v.element_size() for m in self.master_params()
+                   for v in self.inner.state.get(m, {}).values()
+                   if isinstance(v, torch.Tensor) and v.numel() == m.numel() and v.dim() > 0)
+
+    # ---- consolidated state ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def state_dict(self) -> dict:
+        """What the reference optimizer's ``state_dict()`` would be (a collective: all ranks call it)."""
+        engine = self.engine
+        keys: list[str] = []
+        step = torch.zeros((), dtype=torch.float64)
+        for _, _, _, m in self._entries:
+            st = self.inner.state.get(m, {})
+            for k, v in st.items():
+                if k not in keys and isinstance(v, torch.Tensor) and v.dim() > 0:
+                    keys.append(k)
+                if k == "step":
+                    step = torch.maximum(step, torch.as_tensor(v, dtype=torch.float64).cpu())
+        device = engine.units[0].shard.device  # the collective's device (a GPU with NCCL)
+        flags = torch.tensor([float(step), 1.0 if keys else 0.0], dtype=torch.float64, device=device)
+        if engine.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=engine.group)
+        step, has_state = flags[0].cpu(), flags[1].cpu()
+        state: dict[int, dict] = {}
+        if has_state.item() > 0:
+            for key in ("exp_avg", "exp_avg_sq"):
+                for u in engine.units:
+                    values = {pc.param_index: self.inner.state[m][key] for _, uu, pc, m in self._entries
+                              if uu is u and m in self.inner.state}
+                    full = _gather_flat(engine, u, values).cpu()
+                    for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
+                        st = state.setdefault(self._ref_index[id(p)], {"step": torch.tensor(float(step))})
+                        st[key] = full[off:off + n].view(p.shape).clone()
+        groups = []
+        for gi, g in enumerate(self.inner.param_groups):
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": [self._ref_index[id(p)] for p in self.reference_groups[gi]]})
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a reference-format state dict, keeping only this rank's slices."""
+        for g, saved in zip(self.inner.param_groups, state_dict["param_groups"], strict=True):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = v
+        saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        for ref_i, _u, pc, m in self._entries:
+            if ref_i not in saved_state:
+                continue
+            new = {}
+            for k, v in saved_state[ref_i].items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    v = v.reshape(-1)[pc.start:pc.stop].to(m.device, torch.float32)
+                elif isinstance(v, torch.Tensor):
+                    v = v.clone().cpu() if m.device.type == "cpu" else v.clone()
+                new[k] = v
+            live = self.inner.state.get(m)
+            if live and self.engine.masters.offload == "disk":
+                for k, v in new.items():
+                    live[k].copy_(v)
+            else:
+                self.inner.state[m] = new

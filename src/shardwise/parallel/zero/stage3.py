@@ -1,0 +1,97 @@
+"""ZeRO-3's parameter life cycle: gather before use, free after, prefetch the next unit.
+
+Rajbhandari et al. 2020, "ZeRO", §5.3 (P_os+g+p) and Zhao et al. 2023, "PyTorch FSDP: Experiences
+on Scaling Fully Sharded Data Parallel" (VLDB 16(12)), §3.3-3.4: a unit's parameters are
+all-gathered just before its forward, freed right after it, gathered again when the gradient of
+its output arrives (a tensor hook on the output, the "pre-backward" hook) and freed once its
+gradients are reduce-scattered (in :mod:`.engine`). While unit *i* computes, the gather of the
+next unit (*i*+1 in forward, *i*-1 in backward) is already in flight (prefetch). The root unit
+(embeddings, final norm, head) stays gathered from forward to the end of backward.
+
+A mixin of :class:`shardwise.parallel.zero.ZeroDataParallel`, kept apart because it is the one
+piece only stage 3 needs.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from shardwise.parallel.zero.flat import FlatUnit
+from shardwise.parallel.zero.quant import all_gather_int8
+
+
+class Stage3Hooks:
+    """Gather / free / prefetch for the units of a ZeRO-3 engine (``self.units[0]`` is the root)."""
+
+    def _gather(self, unit: FlatUnit, wait: bool = True) -> None:
+        if not unit.gathered and unit.gather_work is None:
+            unit.alloc_full()
+            if self.world == 1:
+                unit.full.copy_(unit.shard)
+                unit.gathered = True
+                return
+            if self.quant_weights:
+                unit.gather_work, nbytes = all_gather_int8(unit.full, unit.shard, self.group)
+                self.comm_bytes_last_step += nbytes
+            else:
+                unit.gather_work = dist.all_gather_single(unit.full, unit.shard, group=self.group, async_op=True)
+                self.comm_bytes_last_step += unit.param_bytes_full()
+        if wait and unit.gather_work is not None:
+            unit.gather_work.wait()
+            unit.gather_work = None
+            unit.gathered = True
+
+    def _free(self, unit: FlatUnit) -> None:
+        if self.stage == 3:
+            if unit.gather_work is not None:
+                unit.gather_work.wait()
+                unit.gather_work = None
+                unit.gathered = True
+            unit.free_full()
+
+    def _root_pre_forward(self, _module, _args) -> None:
+        self._gather(self.units[0])
+        if len(self.units) > 1:
+            self._gather(self.units[1], wait=False)
+
+    def _root_post_forward(self, _module, _args, _output) -> None:
+        if not torch.is_grad_enabled():
+            self._free(self.units[0])
+
+    def _unit_pre_forward_hook(self, module, _args) -> None:
+        unit = self._module_unit[(id(module), "pre")]
+        self._gather(unit)
+        if unit.index + 1 < len(self.units):
+            self._gather(self.units[unit.index + 1], wait=False)
+
+    def _unit_post_forward_hook(self, module, _args, output):
+        unit = self._module_unit[(id(module), "post")]
+        self._free(unit)
+        if torch.is_grad_enabled():
+            for t in output if isinstance(output, (tuple, list)) else (output,):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(_PreBackward(self, unit))
+        return output
+
+    def _pre_backward(self, unit: FlatUnit) -> None:
+        self._start_backward()
+        self._gather(unit)
+        if unit.index - 1 >= 1:
+            self._gather(self.units[unit.index - 1], wait=False)
+
+
+class _PreBackward:
+    """Tensor hook on a stage-3 unit's output: runs when the output's gradient is ready, i.e.
+    just before the unit's own backward, and gathers the unit's parameters (plus a prefetch)."""
+
+    def __init__(self, engine: Stage3Hooks, unit: FlatUnit):
+        self.engine = weakref.ref(engine)
+        self.unit = unit
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        engine = self.engine()
+        if engine is not None:
+            engine._pre_backward(self.unit)
