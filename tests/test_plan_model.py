@@ -49,7 +49,7 @@ def test_moe_counts():
 def test_trainer_flops_come_from_the_planner(preset):
     cfg = Config.load(overrides={"model.preset": preset}).resolve(world_size=1, tokenizer_vocab=257)
     spec = model_spec(cfg)
-    fpt = training_flops_per_token(cfg.model, None, cfg.data.seq_len)
+    fpt = training_flops_per_token(cfg.model, cfg.data.seq_len)
     assert fpt == flops_per_token(spec, cfg.data.seq_len)
     m = cfg.model
     # PaLM App. B: 6 (non-embedding + V d) + 12 L d T, with the head counted once even when untied

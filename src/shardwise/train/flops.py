@@ -22,13 +22,10 @@ from shardwise.plan.spec import ModelSpec
 __all__ = ["GPU_PEAK_FLOPS", "training_flops_per_token", "peak_flops", "measure_cpu_matmul_flops"]
 
 
-def training_flops_per_token(model_cfg: ModelConfig, non_embedding_params: int | None = None,
-                             seq_len: int | None = None) -> float:
-    """6·N + 12·L·d·T for a resolved ``ModelConfig`` (see :func:`shardwise.plan.flops.flops_per_token`).
-
-    ``non_embedding_params`` is accepted for compatibility and not used: the planner counts the
-    parameters exactly from the config (an untied head is counted once, as the vocabulary
-    projection)."""
+def training_flops_per_token(model_cfg: ModelConfig, seq_len: int | None = None) -> float:
+    """6·N + 12·L·d·T for a resolved ``ModelConfig`` (see :func:`shardwise.plan.flops.flops_per_token`);
+    the planner counts the parameters exactly from the config (an untied head once, as the vocabulary
+    projection). ``seq_len`` defaults to ``model_cfg.max_seq_len``."""
     spec = ModelSpec(
         flavor=model_cfg.flavor, n_layers=model_cfg.n_layers, d_model=model_cfg.d_model, n_heads=model_cfg.n_heads,
         n_kv_heads=model_cfg.n_kv_heads or model_cfg.n_heads, d_ff=model_cfg.d_ff, vocab_size=model_cfg.vocab_size,

@@ -106,8 +106,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     log.start_step = start_step
 
     n_params = model.num_parameters()
-    flops_per_token = training_flops_per_token(cfg.model, model.num_parameters(exclude_embeddings=True),
-                                               cfg.data.seq_len)
+    flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops(device, tcfg.precision, tcfg.peak_flops)
     tokens_per_step = tcfg.global_batch * cfg.data.seq_len
     if rank == 0:
