@@ -86,7 +86,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
+    steps: int = 400
     """Optimizer steps."""
     global_batch: int | None = 32
     """Sequences per optimizer step = micro_batch * grad_accum * dp."""
