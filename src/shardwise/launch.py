@@ -109,9 +109,14 @@ def worker_entry(cfg_tree: dict, run_dir: str) -> None:
     """Body of each spawned worker (module-level so the spawn start method can import it)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from shardwise.dist.mesh import shutdown_distributed
     from shardwise.train.loop import train
 
-    record(lambda: train(Config.from_dict(cfg_tree), Path(run_dir)))()
+    def run() -> None:
+        train(Config.from_dict(cfg_tree), Path(run_dir))
+        shutdown_distributed()
+
+    record(run)()
 
 
 def _failure_text(failure) -> tuple[str, str]:

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     train(resolved, run_dir)
+    from shardwise.dist.mesh import shutdown_distributed
+
+    shutdown_distributed()
     return 0
 
 
