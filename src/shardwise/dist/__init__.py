@@ -1,5 +1,13 @@
 """The layer directly over torch.distributed: process groups and named parallel axes."""
 
-from shardwise.dist.mesh import ALL_AXES, AXES, Mesh, ParallelDims, init_distributed, resolve_backend, shutdown_distributed
+from shardwise.dist.mesh import (
+    ALL_AXES,
+    AXES,
+    Mesh,
+    ParallelDims,
+    init_distributed,
+    resolve_backend,
+    shutdown_distributed,
+)
 
 __all__ = ["ALL_AXES", "AXES", "Mesh", "ParallelDims", "init_distributed", "resolve_backend", "shutdown_distributed"]
