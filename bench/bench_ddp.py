@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -36,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from shardwise.dist import free_port, shutdown_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ddp.json"
 
@@ -47,7 +48,8 @@ def build_model(args) -> tuple[nn.Module, dict]:
         from shardwise.model import Transformer
 
         overrides = {"model.preset": "cpu-demo", "model.d_model": str(args.d_model),
-                     "model.n_layers": str(args.n_layers), "data.seq_len": str(args.seq_len)}
+                     "model.n_layers": str(args.n_layers), "model.max_seq_len": str(args.seq_len),
+                     "data.seq_len": str(args.seq_len)}
         cfg = Config.load(overrides=overrides).resolve(world_size=args.nproc, tokenizer_vocab=257).model
         model = Transformer(cfg)
         desc = {"name": "shardwise.model.Transformer", "preset": "cpu-demo", "flavor": cfg.flavor,
@@ -139,20 +141,13 @@ def _worker(rank: int, args, port: int, mode: str, queue) -> None:
                  "overlapped_buckets": nets["ours"].overlapped_buckets_last_step}
     if rank == 0:
         queue.put({"model": desc, "times": times, "losses": losses, "peak_rss_mb": rss.item(), **extra})
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    shutdown_distributed()
 
 
 def _launch(args, mode: str) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(args, _free_port(), mode, queue), nprocs=args.nproc, start_method="spawn")
+    mp.start_processes(_worker, args=(args, free_port(), mode, queue), nprocs=args.nproc, start_method="spawn")
     return queue.get()
 
 

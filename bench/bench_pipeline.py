@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -31,6 +30,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+from shardwise.dist import free_port, shutdown_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
@@ -147,14 +148,7 @@ def _worker(rank: int, nproc: int, args, port: int, queue) -> None:
         }
     if rank == 0:
         queue.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    shutdown_distributed()
 
 
 def main(argv=None) -> dict:
@@ -180,7 +174,7 @@ def main(argv=None) -> dict:
     for nproc in args.nproc:
         ctx = mp.get_context("spawn")
         queue = ctx.SimpleQueue()
-        mp.start_processes(_worker, args=(nproc, args, _free_port(), queue), nprocs=nproc, start_method="spawn")
+        mp.start_processes(_worker, args=(nproc, args, free_port(), queue), nprocs=nproc, start_method="spawn")
         report["runs"][str(nproc)] = queue.get()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))

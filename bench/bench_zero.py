@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -40,6 +39,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from shardwise.dist import free_port, shutdown_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results" / "zero.json"
 VARIANTS = ("zero1", "torch_zero_redundancy", "zero2", "zero3", "torch_fully_shard")
@@ -119,8 +120,7 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
                    "peak_rss_bytes": int(mem[0]), "peak_rss_above_start_bytes": int(mem[1]),
                    "training_rss_above_start_bytes": int(mem[2]),
                    "parameters": sum(p.numel() for p in build_model(args).parameters())})
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def _time_worker(rank: int, world: int, port: int, variants: list[str], args, queue) -> None:
@@ -147,20 +147,13 @@ def _time_worker(rank: int, world: int, port: int, variants: list[str], args, qu
                 times[v].append(float(t))
     if rank == 0:
         queue.put(times)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    shutdown_distributed()
 
 
 def _launch(fn, what, world: int, args):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(fn, args=(world, _free_port(), what, args, queue), nprocs=world, start_method="spawn")
+    mp.start_processes(fn, args=(world, free_port(), what, args, queue), nprocs=world, start_method="spawn")
     return queue.get()
 
 

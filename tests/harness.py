@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
-import socket
 import sys
 import time
 import traceback
@@ -36,18 +35,13 @@ from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
+from shardwise.dist import free_port
+
 _GRACE_S = 10.0
 """After one rank fails, how long the others may take to finish before the pool is replaced."""
 
 _PG_TIMEOUT_S = 120.0
 """gloo's own collective timeout inside the workers: a backstop behind ``timeout``."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, conn, sys_path: list[str]) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import uuid
 from pathlib import Path
 
@@ -83,13 +82,15 @@ def _spawn(cfg: Config, run_dir: Path, nproc: int, debug: bool) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from shardwise.dist.mesh import free_port
+
     launch_cfg = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
@@ -129,12 +130,6 @@ def _failure_text(failure) -> tuple[str, str]:
     if isinstance(msg, str) and msg.strip():
         return msg.strip().splitlines()[-1], msg
     return f"exit code {failure.exitcode}", ""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _point_latest(run_dir: Path) -> None:

@@ -5,9 +5,10 @@ from shardwise.dist.mesh import (
     AXES,
     Mesh,
     ParallelDims,
+    free_port,
     init_distributed,
     resolve_backend,
     shutdown_distributed,
 )
 
-__all__ = ["ALL_AXES", "AXES", "Mesh", "ParallelDims", "init_distributed", "resolve_backend", "shutdown_distributed"]
+__all__ = ["ALL_AXES", "AXES", "Mesh", "ParallelDims", "free_port", "init_distributed", "resolve_backend", "shutdown_distributed"]

@@ -18,6 +18,7 @@ layout, so experts are sharded over ranks that hold the same tensor/pipeline sha
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -104,6 +105,13 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[i
 
 
 # ---- axis sizes -----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a local rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def shutdown_distributed() -> None:

@@ -26,6 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardwise.dist.mesh import free_port, shutdown_distributed
+
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
               "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
               "gather": lambda n: (n - 1) / n, "scatter": lambda n: (n - 1) / n,
@@ -151,8 +153,7 @@ def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace, out_path
                   "auto_picks": {str(k): v for k, v in picks.items()}, "rows": rows}
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def _human(n: int) -> str:
@@ -252,13 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"error: --sizes {args.sizes!r} is not valid; e.g. 4K..64M or 4K,1M,16M", file=sys.stderr)
         return 2
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.start_processes(_worker, args=(args.nproc, port, args, out), nprocs=args.nproc, start_method="spawn")
