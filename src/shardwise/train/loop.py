@@ -174,12 +174,13 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
             val_loss = evaluate(ddp, val_windows, tcfg, dp_rank, dp_size, dp_group, device)
             if val_loss is not None:
                 metrics["val_loss"] = val_loss
-        if done == tcfg.steps or done % 10 == 0 or done == 1:
+        first = done == start_step + 1  # the optimizer state exists from here: print the start-up table
+        if first or done == tcfg.steps or done % 10 == 0:
             metrics.update({f"mem_{k}": float(v) for k, v in process_memory_bytes().items()})
             accounted = train_memory.model_state_bytes(ddp, optimizer)
             metrics.update({f"mem_{k}_bytes": float(v) for k, v in accounted.items()})
-        if done == start_step + 1:  # after the first step, when the optimizer state exists: the start-up table
-            per_rank = train_memory.gather_per_rank(train_memory.model_state_bytes(ddp, optimizer), dp_group)
+        if first:
+            per_rank = train_memory.gather_per_rank(accounted, dp_group)
             log.log_event(train_memory.format_table(per_rank, title=f"model-state bytes per rank (zero={zero})"))
         log.log(done, metrics)
         if not math.isfinite(step_loss) and scaler is None:
