@@ -58,9 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", type=Path, help="a checkpoint directory (default: the newest valid one)")
 
-    p = sub.add_parser("plot", help="plot loss and throughput of one or more runs")
+    p = sub.add_parser("plot", help="plot loss and throughput of runs; `plot timeline RUN_DIR`: a pipeline's schedule")
     p.add_argument("run_dirs", nargs="+", type=Path)
-    p.add_argument("--out", type=Path, help="PNG file (default: RUN_DIR/plot.png of the first run)")
+    p.add_argument("--out", type=Path, help="PNG file (default: RUN_DIR/plot.png of the first run, "
+                                            "or RUN_DIR/timeline.png and RUN_DIR/timeline.trace.json)")
 
     p = sub.add_parser("plan", help="predict memory, FLOPs, communication and time; search layouts", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -141,8 +142,16 @@ def cmd_generate(args, _overrides) -> int:
 
 
 def cmd_plot(args, _overrides) -> int:
-    from shardwise.plot import plot_runs
+    from shardwise.plot import plot_runs, plot_timeline
 
+    first = args.run_dirs[0]
+    if str(first) == "timeline" and not (first / "metrics.jsonl").exists():
+        if len(args.run_dirs) != 2:
+            print("usage: shardwise plot timeline RUN_DIR [--out PNG]", file=sys.stderr)
+            return 2
+        png, trace = plot_timeline(args.run_dirs[1], args.out)
+        print(f"wrote {png} and {trace} (open in chrome://tracing or ui.perfetto.dev)")
+        return 0
     out = args.out or (args.run_dirs[0] / "plot.png")
     path = plot_runs(list(args.run_dirs), out)
     print(f"wrote {path}")

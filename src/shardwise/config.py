@@ -141,7 +141,7 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel size (not implemented yet: must be 1)."""
     pp: int = 1
-    """Pipeline-parallel stages (not implemented yet: must be 1)."""
+    """Pipeline-parallel stages (shardwise.parallel.pipeline); the model's blocks are split among them."""
     cp: int = 1
     """Context-parallel size (not implemented yet: must be 1)."""
     ep: int = 1
@@ -160,12 +160,20 @@ class ParallelConfig:
     """With zero = 3: all-gather parameters as int8 blocks (ZeRO++ qwZ); lossy."""
     zero_quant_grads: bool = False
     """With zero >= 1: reduce-scatter gradients as int8 blocks via all-to-all (ZeRO++ qgZ); lossy."""
+    zero_hpz: int = 1
+    """With zero = 3: ranks per node for ZeRO++ hierarchical partitioning (hpZ): a secondary copy of
+    each unit's parameters sharded over that many consecutive dp ranks keeps backward gathers
+    inside the node; exact. 1 = off; must divide parallel.dp."""
     pp_schedule: str = "1f1b"
-    """Pipeline schedule (used once pipeline parallelism lands)."""
+    """With pp > 1: "naive", "gpipe", "1f1b" or "interleaved" (with pp_virtual >= 2 chunks per rank)."""
     microbatches: int | None = None
-    """Pipeline micro-batches (used once pipeline parallelism lands)."""
+    """With pp > 1: pipeline micro-batches per step and replica (= train.grad_accum; the micro-batches
+    of a step flow through the pipeline); default the largest of 4*pp, 2*pp, pp that divides the batch."""
     pp_virtual: int = 1
-    """Virtual stages per rank for interleaved pipelines (used once pipeline parallelism lands)."""
+    """With pp_schedule = "interleaved": model chunks per pipeline rank (v)."""
+    pp_partition: str = "params"
+    """With pp > 1: how blocks are split into stages: "even", "params" or "flops" (balanced by that
+    cost, embedding and head included), or the first block of every stage after the first ("2,5")."""
     sequence_parallel: bool = False
     """Sequence parallelism with tensor parallelism (not implemented yet: must be false)."""
     bucket_mb: float = 25.0
@@ -298,7 +306,9 @@ class Config:
         _resolve_data(cfg)
         _resolve_device(cfg.run, cfg.parallel)
         _resolve_parallel(cfg.parallel, world_size)
+        _default_microbatches(cfg.parallel, cfg.train)
         _resolve_batch(cfg.train, cfg.parallel.dp)
+        _resolve_pipeline(cfg)
         _validate_train(cfg.train)
         _validate_misc(cfg)
         return cfg
@@ -492,7 +502,7 @@ def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
             if world % model_parallel == 0
             else f"parallel.dp*tp*pp*cp={p.dp * model_parallel} does not match the world size {world}"
         )
-    for axis, name in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
+    for axis, name in (("tp", "tensor"), ("cp", "context"), ("ep", "expert")):
         if getattr(p, axis) != 1:
             raise ConfigError(f"parallel.{axis}={getattr(p, axis)}: {name} parallelism is not implemented yet; use 1")
     if p.zero not in (0, 1, 2, 3):
@@ -507,6 +517,13 @@ def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
                           f"but parallel.zero={p.zero}; set parallel.zero=3")
     if p.zero_quant_grads and p.zero == 0:
         raise ConfigError("parallel.zero_quant_grads=true needs ZeRO; set parallel.zero to 1, 2 or 3")
+    _positive("parallel.zero_hpz", p.zero_hpz)
+    if p.zero_hpz != 1 and p.zero != 3:
+        raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} partitions ZeRO-3's parameters within a node, "
+                          f"but parallel.zero={p.zero}; set parallel.zero=3 or parallel.zero_hpz=1")
+    if p.dp % p.zero_hpz:
+        raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} does not divide parallel.dp={p.dp}; "
+                          f"use one of {_divisors(p.dp)}")
     if p.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel=true: sequence parallelism is not implemented yet; use false")
     _positive("parallel.bucket_mb", p.bucket_mb)
@@ -542,6 +559,62 @@ def _resolve_batch(t: TrainConfig, dp: int) -> None:
             "set only two of the three"
         )
     t.global_batch, t.micro_batch, t.grad_accum = g, m, a
+
+
+def _default_microbatches(p: ParallelConfig, t: TrainConfig) -> None:
+    """With pp > 1 a step's micro-batches are the pipeline's: ``parallel.microbatches`` is ``train.grad_accum``.
+
+    Unset, it is the largest of 4p, 2p, p (1 for "naive") that divides the replica's batch: the bubble
+    (p - 1) / (m + p - 1) shrinks with m (Narayanan et al. 2021 §2.2.1)."""
+    if p.pp == 1:
+        return
+    m = p.microbatches
+    if m is not None:
+        _positive("parallel.microbatches", m)
+        if t.grad_accum is not None and t.grad_accum != m:
+            raise ConfigError(f"train.grad_accum={t.grad_accum} != parallel.microbatches={m}: with parallel.pp > 1 "
+                              "the micro-batches of a step are the pipeline's; set only one of them")
+        t.grad_accum = m
+    elif t.grad_accum is None and t.micro_batch is None and t.global_batch is not None \
+            and t.global_batch % p.dp == 0:
+        replica = t.global_batch // p.dp
+        options = [1] if p.pp_schedule == "naive" else [4 * p.pp, 2 * p.pp, p.pp, 1]
+        t.grad_accum = next(c for c in options if replica % c == 0)
+
+
+def _resolve_pipeline(cfg: Config) -> None:
+    """Pipeline checks that need no processes (stages vs layers, schedule vs micro-batches), before spawning."""
+    p = cfg.parallel
+    _positive("parallel.pp_virtual", p.pp_virtual)
+    if p.pp == 1:
+        if p.pp_virtual != 1:
+            raise ConfigError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp > 1; use 1")
+        return
+    p.microbatches = cfg.train.grad_accum
+    if p.zero:
+        raise ConfigError(f"parallel.zero={p.zero} with parallel.pp={p.pp}: ZeRO inside a pipeline is not "
+                          "implemented; use parallel.zero=0 with pipeline parallelism")
+    from shardwise.parallel.pipeline import check_pipeline, partition
+
+    try:
+        check_pipeline(cfg.model.n_layers, p.pp, p.pp_schedule, p.microbatches,
+                       cfg.train.micro_batch * p.microbatches, p.pp_virtual)
+        method, boundaries = pipeline_partition(p.pp_partition)
+        if method == "manual":  # a cost-balanced split always exists once there are enough layers
+            partition(cfg.model, p.pp * p.pp_virtual, method, boundaries)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def pipeline_partition(text: str) -> tuple[str, list[int] | None]:
+    """``parallel.pp_partition`` as ``(method, boundaries)``: a method name, or "2,5" -> ("manual", [2, 5])."""
+    text = str(text).strip()
+    if text and all(part.strip().isdigit() for part in text.split(",")):
+        return "manual", [int(part) for part in text.split(",")]
+    if text not in ("even", "params", "flops"):
+        raise ConfigError(f"parallel.pp_partition={text!r} is not valid; use 'even', 'params', 'flops' "
+                          "or the first block of each stage after the first, e.g. '2,5'")
+    return text, None
 
 
 def _validate_train(t: TrainConfig) -> None:

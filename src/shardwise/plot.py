@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 
 from shardwise.train.metrics import METRICS_FILE, read_metrics
 
-__all__ = ["plot_runs"]
+__all__ = ["plot_runs", "plot_timeline"]
 
 # (metric key, panel title, y label, log-scale y)
 _PANELS = (
@@ -93,3 +93,25 @@ def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=100)
     return out
+
+
+def plot_timeline(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
+    """A pipeline run's schedule: a Gantt chart PNG (one row per stage rank) and a Chrome trace JSON,
+    from the ``timeline.json`` the trainer keeps (the last logged step's events of every stage)."""
+    import json
+
+    from shardwise.parallel.pipeline import plot_gantt, write_chrome_trace
+    from shardwise.train.pipeline_engine import timelines_from_json
+
+    run_dir = Path(run_dir)
+    source = run_dir / "timeline.json"
+    if not source.exists():
+        raise FileNotFoundError(f"{source} does not exist: only pipeline runs (parallel.pp > 1) record a timeline")
+    doc = json.loads(source.read_text())
+    timelines = timelines_from_json(doc)
+    png = Path(out) if out else run_dir / "timeline.png"
+    v = f", v={doc['virtual']}" if doc["virtual"] > 1 else ""
+    title = (f"{doc['schedule']} p={doc['pp']} m={doc['microbatches']}{v}, step {doc['step']}; "
+             f"theory {doc['bubble_theory']:.1%}")
+    plot_gantt(timelines, png, title=title)
+    return png, write_chrome_trace(timelines, png.with_suffix(".trace.json"))

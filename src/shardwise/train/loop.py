@@ -8,7 +8,6 @@ only on the seed, and the loss of a step is the mean over the whole global batch
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -19,19 +18,16 @@ import torch.distributed as dist
 
 from shardwise.config import Config
 from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus, val_indices
-from shardwise.dist.comm.compress import gradient_all_reduce
 from shardwise.dist.mesh import ParallelDims, init_distributed
 from shardwise.model import Transformer
-from shardwise.parallel.data import DataParallel
-from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 from shardwise.train import memory as train_memory
 from shardwise.train import state as train_state
 from shardwise.train.checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
+from shardwise.train.engines import build_engine
 from shardwise.train.flops import peak_flops, training_flops_per_token
 from shardwise.train.metrics import MetricsLogger, process_memory_bytes
-from shardwise.train.optim import build_optimizer, lr_at, set_lr
-from shardwise.train.precision import DynamicLossScaler, autocast_context
-from shardwise.train.recompute import apply_activation_checkpointing
+from shardwise.train.optim import lr_at, set_lr
+from shardwise.train.precision import DynamicLossScaler
 
 
 @dataclass
@@ -69,25 +65,9 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     val_windows = TokenWindows(corpus.val_path, cfg.data.seq_len)
     sampler = DistributedWindowSampler(len(train_windows), tcfg.global_batch, tcfg.seed, dp_rank, dp_size)
 
-    # Model: identical on every rank from the seed; DataParallel also broadcasts rank 0's copy.
-    torch.manual_seed(tcfg.seed)
-    model = Transformer(cfg.model)
-    model.reset_parameters(tcfg.seed)
-    if tcfg.recompute == "full":
-        apply_activation_checkpointing(model.blocks, tcfg.recompute_every)
-    model.to(device)
-    zero = cfg.parallel.zero
-    if zero:  # ZeRO-1/2/3 (parallel/zero): the sharded optimizer steps this rank's slice of AdamW
-        ddp = ZeroDataParallel(model, group=dp_group, stage=zero, bucket_mb=cfg.parallel.bucket_mb,
-                               unit_blocks=cfg.parallel.zero_unit, offload=cfg.parallel.offload,
-                               offload_dir=cfg.parallel.offload_dir or str(run_dir / "offload"),
-                               quant_weights=cfg.parallel.zero_quant_weights,
-                               quant_grads=cfg.parallel.zero_quant_grads)
-        optimizer = ZeroOptimizer(ddp, build_optimizer(model, tcfg))
-    else:
-        ddp = DataParallel(model, group=dp_group, bucket_mb=cfg.parallel.bucket_mb,
-                           all_reduce_fn=gradient_all_reduce(cfg.comm))
-        optimizer = build_optimizer(model, tcfg)
+    # Model and technique: every rank builds what it holds from the seed (train/engines.py).
+    engine = build_engine(cfg, mesh, device, run_dir)
+    optimizer = engine.optimizer
     scaler = DynamicLossScaler(tcfg.fp16_init_scale, growth_interval=tcfg.fp16_growth_interval) \
         if tcfg.precision == "fp16" else None
 
@@ -99,27 +79,28 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         found = latest_valid_checkpoint(ckpt_root, warn=log.log_event if rank == 0 else (lambda _m: None))
         if found is not None:
             tensors, meta = load_checkpoint(found)
-            start_step = train_state.restore(tensors, meta, ddp if zero else model, optimizer, scaler, sampler, rank)
+            start_step = train_state.restore(tensors, meta, engine, scaler, sampler, rank)
             log.log_event(f"resumed from {found} at step {start_step}")
         else:
             log.log_event(f"no valid checkpoint in {ckpt_root}; starting from step 0")
     log.start_step = start_step
 
-    n_params = model.num_parameters()
+    with torch.device("meta"):
+        n_params = Transformer(cfg.model).num_parameters()
     flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops(device, tcfg.precision, tcfg.peak_flops)
     tokens_per_step = tcfg.global_batch * cfg.data.seq_len
     if rank == 0:
         log.log_event(
             f"model {cfg.model.preset} ({cfg.model.flavor}): {n_params / 1e6:.2f}M parameters; "
-            f"dp={dp_size}, global batch {tcfg.global_batch} = micro {tcfg.micro_batch} x accum "
+            f"{engine.describe()}; global batch {tcfg.global_batch} = micro {tcfg.micro_batch} x accum "
             f"{tcfg.grad_accum} x dp {dp_size}; {len(train_windows)} training windows of {cfg.data.seq_len} tokens"
         )
 
     losses: list[float] = []
     val_loss = None
     if start_step == 0:  # the untrained model's validation loss: the baseline the run improves on
-        val_loss = evaluate(ddp, val_windows, tcfg, dp_rank, dp_size, dp_group, device)
+        val_loss = evaluate(engine, val_windows, tcfg, dp_rank, dp_size, dp_group, device)
         if val_loss is None:
             log.log_event(f"the validation split holds {len(val_windows)} windows of {cfg.data.seq_len} tokens, too "
                           "few for every rank: no val_loss (raise data.val_fraction or use a larger corpus)")
@@ -130,32 +111,17 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         t0 = time.perf_counter()
         lr = lr_at(step, tcfg)
         set_lr(optimizer, lr)
-        micro_batches = sampler.micro_batches(step, tcfg.micro_batch)
-        loss_sum = torch.zeros((), device=device)
-        for i, ids in enumerate(micro_batches):
-            x, y = train_windows.batch(ids)
-            x, y = x.to(device), y.to(device)
-            last = i == len(micro_batches) - 1
-            with ddp.no_sync() if not last else contextlib.nullcontext():
-                with autocast_context(tcfg.precision, device.type):
-                    loss = ddp(x, y)
-                loss_sum += loss.detach()
-                scaled = loss / len(micro_batches)
-                (scaler.scale_loss(scaled) if scaler else scaled).backward()
-
-        if zero:
-            found_inf = scaler.unscale_(optimizer.master_params(), group=dp_group) if scaler else False
-            grad_norm = ddp.clip_grad_norm_(tcfg.grad_clip)
-        else:
-            found_inf = scaler.unscale_(model.parameters()) if scaler else False
-            grad_norm = _clip_grad_norm(model, tcfg.grad_clip)
+        batches = [tuple(t.to(device) for t in train_windows.batch(ids))
+                   for ids in sampler.micro_batches(step, tcfg.micro_batch)]
+        replica_loss = engine.forward_backward(batches, tcfg.precision, scaler)
+        found_inf, grad_norm = engine.unscale_and_clip(scaler, tcfg.grad_clip)
         if not found_inf:
             optimizer.step()
         if scaler:
             scaler.update(found_inf)
         optimizer.zero_grad(set_to_none=True)
 
-        step_loss = loss_sum / len(micro_batches)
+        step_loss = replica_loss.clone()
         dist.all_reduce(step_loss, op=dist.ReduceOp.SUM, group=dp_group)
         step_loss = step_loss.item() / dp_size
         losses.append(step_loss)
@@ -164,75 +130,65 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         metrics = {
             "loss": step_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
             "step_time_s": elapsed, "mfu": tokens_per_s * flops_per_token / (peak * world) if peak else 0.0,
-            "comm_bytes": float(ddp.comm_bytes_last_step),
-            "comm_sent_bytes": float(ddp.pop_comm_bytes() if zero else ddp.all_reduce_fn.pop_bytes_sent()),
+            **engine.comm_metrics(), **engine.step_metrics(),
         }
         if scaler:
             metrics.update(loss_scale=scaler.scale, skipped_steps=float(scaler.skipped_steps))
         done = step + 1
         if done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
-            val_loss = evaluate(ddp, val_windows, tcfg, dp_rank, dp_size, dp_group, device)
+            val_loss = evaluate(engine, val_windows, tcfg, dp_rank, dp_size, dp_group, device)
             if val_loss is not None:
                 metrics["val_loss"] = val_loss
         first = done == start_step + 1  # the optimizer state exists from here: print the start-up table
         if first or done == tcfg.steps or done % 10 == 0:
             metrics.update({f"mem_{k}": float(v) for k, v in process_memory_bytes().items()})
-            accounted = train_memory.model_state_bytes(ddp, optimizer)
+            accounted = engine.memory_bytes()
+            if hasattr(engine, "write_timeline"):
+                engine.write_timeline(run_dir, done)
             metrics.update({f"mem_{k}_bytes": float(v) for k, v in accounted.items()})
         if first:
-            per_rank = train_memory.gather_per_rank(accounted, dp_group)
-            log.log_event(train_memory.format_table(per_rank, title=f"model-state bytes per rank (zero={zero})"))
+            per_rank = train_memory.gather_per_rank(accounted)
+            title = f"model-state bytes per rank ({engine.describe()})"
+            log.log_event(train_memory.format_table(per_rank, title=title))
         log.log(done, metrics)
         if not math.isfinite(step_loss) and scaler is None:
             raise FloatingPointError(f"loss became {step_loss} at step {done}; lower train.lr or use train.grad_clip")
         if done == tcfg.steps or (cfg.ckpt.every and done % cfg.ckpt.every == 0):
-            _save(cfg, ckpt_root, done, ddp if zero else model, optimizer, scaler, sampler, rank,
-                  consolidate=bool(zero))
+            _save(cfg, ckpt_root, done, engine, scaler, sampler, rank)
         if stop_after is not None and done >= stop_after:
             break
     log.close()
-    full = (ddp.state_dict() if zero else model.state_dict()) if collect_state else {}
+    full = engine.final_state_dict() if collect_state else {}
     state = {k: v.detach().cpu().clone() for k, v in full.items()}
     return TrainResult(losses=losses, val_loss=val_loss, final_step=done, state_dict=state)
 
 
-def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Global L2 norm of the (already data-parallel-averaged) gradients, clipped to ``max_norm``."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return 0.0
-    if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
-    return float(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
-
-
 @torch.no_grad()
-def evaluate(ddp, windows: TokenWindows, tcfg, dp_rank: int, dp_size: int, group, device) -> float | None:
+def evaluate(engine, windows: TokenWindows, tcfg, dp_rank: int, dp_size: int, group, device) -> float | None:
     """Mean validation loss over a fixed set of held-out windows, split across data-parallel ranks
     (None when the validation split is too small to give every rank a window)."""
-    ddp.module.eval()
+    engine.train_mode(False)
     ids = val_indices(len(windows), tcfg.eval_batches * tcfg.micro_batch, dp_rank, dp_size)
     total = torch.zeros(2, device=device, dtype=torch.float64)
     for start in range(0, len(ids), tcfg.micro_batch):
         x, y = windows.batch(ids[start:start + tcfg.micro_batch])
-        with autocast_context(tcfg.precision, device.type):
-            loss = ddp.module(x.to(device), y.to(device))
+        loss = engine.eval_loss(x.to(device), y.to(device), tcfg.precision)
         total[0] += loss.double() * x.shape[0]
         total[1] += x.shape[0]
     dist.all_reduce(total, group=group)
-    ddp.module.train()
+    engine.train_mode(True)
     return float(total[0] / total[1]) if total[1] else None
 
 
-def _save(cfg, root, step, model, optimizer, scaler, sampler, rank, consolidate: bool = False) -> None:
-    """Rank 0 writes the checkpoint (data-parallel replicas are identical); RNG states of all ranks are kept.
+def _save(cfg, root, step, engine, scaler, sampler, rank) -> None:
+    """Rank 0 writes the checkpoint; RNG states of all ranks are kept.
 
-    With ``consolidate`` (ZeRO) every rank first takes part in gathering the unsharded model and
-    optimizer state, so the checkpoint has the same layout-independent form as a data-parallel one."""
+    Every rank first takes part in assembling the unsharded model and optimizer state
+    (``engine.checkpoint_state()``: gathered shards or stages), so a checkpoint has the same
+    layout-independent form whatever the layout, and resumes on any other."""
     rng_states = train_state.gather_rng_states()
-    states = (model.state_dict(), optimizer.state_dict()) if consolidate else (None, None)
+    model_state, optimizer_state = engine.checkpoint_state()
     if rank == 0:
-        tensors, meta = train_state.capture(model, optimizer, scaler, sampler, step, rng_states, cfg,
-                                            model_state=states[0], optimizer_state=states[1])
+        tensors, meta = train_state.capture(model_state, optimizer_state, scaler, sampler, step, rng_states, cfg)
         save_checkpoint(root, step, tensors, meta, keep=cfg.ckpt.keep)
     dist.barrier()

@@ -9,6 +9,7 @@ which parameters decay and what the learning rate is at each step.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -16,22 +17,37 @@ from torch import nn
 from shardwise.config import TrainConfig
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over ``model``'s trainable parameters.
+def decay_groups(named_parameters: Iterable[tuple[str, nn.Parameter]]) -> tuple[list[str], list[str], dict]:
+    """``(decayed names, undecayed names, name -> parameter)`` in the optimizer's order.
 
-    Weight decay applies to matrices (linear weights and the token embedding); vectors —
-    norm gains and biases — and the learned position table are not decayed (GPT-2/nanoGPT practice).
-    """
-    decay, no_decay = [], []
+    Weight decay applies to matrices (linear weights and the token embedding); vectors --
+    norm gains and biases -- and the learned position table are not decayed (GPT-2/nanoGPT practice).
+    A parameter shared under two names (tied embeddings) counts once, under its first name."""
+    decay, no_decay, params = [], [], {}
     seen: set[int] = set()
-    for name, param in model.named_parameters():
+    for name, param in named_parameters:
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        (decay if param.dim() >= 2 and "pos_emb" not in name else no_decay).append(param)
+        params[name] = param
+        (decay if param.dim() >= 2 and "pos_emb" not in name else no_decay).append(name)
+    return decay, no_decay, params
+
+
+def optimizer_param_names(named_parameters: Iterable[tuple[str, nn.Parameter]]) -> list[str]:
+    """The parameter names in the order of :func:`build_optimizer`'s state indices (0, 1, ...)."""
+    decay, no_decay, _ = decay_groups(named_parameters)
+    return decay + no_decay
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig,
+                    named_parameters: Iterable[tuple[str, nn.Parameter]] | None = None) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters (or over ``named_parameters`` when given, e.g. the
+    chunks a pipeline rank holds), decayed as :func:`decay_groups` says."""
+    decay, no_decay, params = decay_groups(model.named_parameters() if named_parameters is None else named_parameters)
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": [params[n] for n in decay], "weight_decay": cfg.weight_decay},
+        {"params": [params[n] for n in no_decay], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
 

@@ -24,9 +24,13 @@ def apply_activation_checkpointing(blocks: nn.ModuleList, every: int = 1) -> lis
         raise ValueError(f"every={every} must be >= 1")
     chosen = list(range(0, len(blocks), every))
     for i in chosen:
-        block = blocks[i]
-        block.forward = _checkpointed(block.forward)
+        checkpoint_module(blocks[i])
     return chosen
+
+
+def checkpoint_module(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in backward instead of keeping them."""
+    module.forward = _checkpointed(module.forward)
 
 
 def _checkpointed(forward):

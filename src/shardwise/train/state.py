@@ -25,13 +25,13 @@ def gather_rng_states() -> list[torch.Tensor]:
     return gathered
 
 
-def capture(model, optimizer, scaler, sampler, step: int, rng_states, cfg,
-            model_state: dict | None = None, optimizer_state: dict | None = None) -> tuple[dict, dict]:
-    """Everything a checkpoint holds. ``model_state`` / ``optimizer_state``, when given, replace
-    ``model.state_dict()`` / ``optimizer.state_dict()`` (ZeRO gathers them on all ranks beforehand)."""
-    opt_tensors, opt_meta = optimizer_state_to_tensors(optimizer_state or optimizer.state_dict())
+def capture(model_state: dict, optimizer_state: dict, scaler, sampler, step: int, rng_states,
+            cfg) -> tuple[dict, dict]:
+    """Everything a checkpoint holds: the unsharded model and optimizer state dicts (the engine
+    assembles them from shards or stages beforehand), the loss scaler, the data position, RNGs."""
+    opt_tensors, opt_meta = optimizer_state_to_tensors(optimizer_state)
     tensors = {
-        "model": {k: v for k, v in (model_state or model.state_dict()).items()},
+        "model": dict(model_state),
         "optimizer": opt_tensors,
         "rng": {f"rank{r}": s for r, s in enumerate(rng_states)},
     }
@@ -46,12 +46,10 @@ def capture(model, optimizer, scaler, sampler, step: int, rng_states, cfg,
     return tensors, meta
 
 
-def restore(tensors: dict, meta: dict, model, optimizer, scaler, sampler, rank: int) -> int:
-    """Load a captured state into live objects; returns the step to continue from."""
-    missing, unexpected = model.load_state_dict(tensors["model"], strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"checkpoint model does not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    optimizer.load_state_dict(optimizer_state_from_tensors(tensors["optimizer"], meta["optimizer"]))
+def restore(tensors: dict, meta: dict, engine, scaler, sampler, rank: int) -> int:
+    """Load a captured state into the live engine (model and optimizer), scaler, sampler and RNG;
+    returns the step to continue from."""
+    engine.load_state(tensors["model"], optimizer_state_from_tensors(tensors["optimizer"], meta["optimizer"]))
     if scaler is not None:
         if meta.get("scaler") is None:
             raise CheckpointError("the checkpoint was not trained with fp16, but train.precision='fp16'")

@@ -14,8 +14,9 @@ gradients after the last backward (Shoeybi et al. 2019; Narayanan et al. 2021 §
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,11 +56,17 @@ class Pipeline:
     * ``schedule``: ``"naive"``, ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``; ``n_microbatches``: m.
     * ``d_model`` / ``act_dtype``: an activation of a micro-batch of inputs ``[b, t]`` is
       ``[b, t, d_model]`` of ``act_dtype`` -- known on every rank, so nothing is exchanged but data.
+      Activations and their gradients travel in ``act_dtype`` whatever dtype a stage computes in.
+    * ``forward_context``: a context-manager factory entered around every forward computation
+      (e.g. ``torch.autocast`` for mixed precision; backward runs outside it, as torch recommends).
+    * ``loss_scale``: the last stage multiplies each micro-batch's ``loss / m`` by it before backward
+      (fp16 dynamic loss scaling, Micikevicius et al. 2018 §3.2); set it before every step.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], stage_ranks: Sequence[int], schedule: str,
                  n_microbatches: int, d_model: int, act_dtype: torch.dtype = torch.float32,
-                 group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"):
+                 group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
+                 forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.chunks = list(chunks)
         self.p, self.v, self.m = len(stage_ranks), len(self.chunks), n_microbatches
         check_schedule(schedule, self.p, n_microbatches, self.v)
@@ -71,6 +78,8 @@ class Pipeline:
         self.d_model, self.act_dtype, self.device = d_model, act_dtype, torch.device(device)
         self.timeline = Timeline(self.rank)
         self.plan = _plan(self.actions)
+        self.forward_context = forward_context
+        self.loss_scale = 1.0
 
     def parameters(self):
         """Every parameter of this rank's chunks (tied copies appear on each stage holding one)."""
@@ -105,11 +114,11 @@ class Pipeline:
             for a in pending:
                 key = (a.chunk, a.mb)
                 if a.kind == SEND_F:
-                    tensor = saved_out[key].detach()
+                    tensor = saved_out[key].detach().to(self.act_dtype)
                 elif a.kind == RECV_F or a.kind == RECV_B:
                     tensor = torch.empty(act_shape, dtype=self.act_dtype, device=self.device)
                 else:  # SEND_B: the gradient of this stage's input
-                    tensor = saved_in.pop(key).grad
+                    tensor = saved_in.pop(key).grad.to(self.act_dtype)
                 ops.append((a, tensor))
             t0 = time.perf_counter()
             works = self.comm.post(ops)
@@ -138,11 +147,13 @@ class Pipeline:
             last = s == self.n_stages - 1
             if a.kind == F:
                 x = x_mbs[i] if s == 0 else received(RECV_F, c, i).requires_grad_()
-                with tl.record(F, s, i):
+                with tl.record(F, s, i), self.forward_context():
                     out = self.chunks[c](x, y_mbs[i] if last else None)
-                    if last:
-                        losses.append(out.detach())
-                        out = out / self.m
+                if last:
+                    losses.append(out.detach().float())
+                    out = out / self.m
+                    if self.loss_scale != 1.0:
+                        out = out * self.loss_scale
                 if s > 0:
                     saved_in[(c, i)] = x
                 saved_out[(c, i)] = out
@@ -152,7 +163,7 @@ class Pipeline:
                 grad = None if last else received(RECV_B, c, i)
                 out = saved_out.pop((c, i))
                 with tl.record(B, s, i):
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(out, None if grad is None else grad.to(out.dtype))
                 live -= 1
             pending.extend(sends_after)  # posted with the next batch, right after this computation
         flush()
@@ -163,6 +174,31 @@ class Pipeline:
         tl.end = time.perf_counter()
         if losses:
             return torch.stack(losses).mean()
+        return None
+
+    @torch.no_grad()
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """The loss of ``inputs``/``targets`` without gradients (validation): the whole batch passes
+        the stages in order, one at a time. Returns the loss on the rank holding the last stage, else None."""
+        act_shape = (*inputs.shape, self.d_model)
+        x: torch.Tensor | None = None
+        for s in range(self.n_stages):
+            owner, chunk = s % self.p, s // self.p
+            if owner != self.rank:
+                continue
+            if s > 0 and (s - 1) % self.p != self.rank:  # the previous stage lives on another rank
+                x = torch.empty(act_shape, dtype=self.act_dtype, device=self.device)
+                dist.recv(x, self.comm.stage_ranks[(s - 1) % self.p], self.comm.group,
+                          tag=message_tag(RECV_F, s, self.m + 2, self.n_stages))
+            last = s == self.n_stages - 1
+            with self.forward_context():
+                out = self.chunks[chunk](inputs if s == 0 else x, targets if last else None)
+            if last:
+                return out.float()
+            x = out.to(self.act_dtype)
+            if (s + 1) % self.p != self.rank:
+                dist.send(x, self.comm.stage_ranks[(s + 1) % self.p], self.comm.group,
+                          tag=message_tag(SEND_F, s + 1, self.m + 2, self.n_stages))
         return None
 
     def _sync_tied_grads(self, tl: Timeline) -> None:

@@ -1,0 +1,184 @@
+"""How one training step runs on this rank, for each way of laying the model out.
+
+The training loop (:mod:`shardwise.train.loop`) is the same for every layout; what differs is who
+holds which weights and how gradients meet. An *engine* owns the model (or its part), the wrapper
+that applies a technique from ``parallel/``, and the optimizer, and answers the loop's questions:
+
+* ``forward_backward(batches, precision, scaler)``: the mean loss of this replica's micro-batches,
+  gradients averaged over the data-parallel group when it returns;
+* ``unscale_and_clip(scaler, max_norm)``: fp16 overflow check and global-norm clipping;
+* ``eval_loss(x, y)``, ``train_mode(on)``; ``comm_metrics()``, ``step_metrics()``, ``memory_bytes()``;
+* ``checkpoint_state()`` / ``load_state(model_state, optimizer_state)``: the *unsharded* model and
+  optimizer state dicts of a single-process run (the same keys and optimizer indices whatever the
+  layout), so a checkpoint resumes on any layout.
+
+:class:`DataParallelEngine` (replicas, :mod:`shardwise.parallel.data`), :class:`ZeroEngine` (ZeRO-1/2/3,
+:mod:`shardwise.parallel.zero`) and :class:`~shardwise.train.pipeline_engine.PipelineEngine`
+(pp x dp, :mod:`shardwise.parallel.pipeline`); :func:`build_engine` picks one from the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config import Config
+from shardwise.dist.comm.compress import gradient_all_reduce
+from shardwise.dist.mesh import Mesh
+from shardwise.model import Transformer
+from shardwise.parallel.data import DataParallel
+from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
+from shardwise.train import memory as train_memory
+from shardwise.train.checkpoint import CheckpointError
+from shardwise.train.optim import build_optimizer
+from shardwise.train.precision import DynamicLossScaler, autocast_context
+from shardwise.train.recompute import apply_activation_checkpointing
+
+
+def load_model_state(module: torch.nn.Module, state: dict, strict_subset: bool = False) -> None:
+    """Load ``state`` into ``module``; a missing or unexpected key is a :class:`CheckpointError`.
+    With ``strict_subset`` the module takes only its own keys from a larger (whole-model) state."""
+    if strict_subset:
+        own = module.state_dict().keys()
+        missing = [k for k in own if k not in state]
+        if missing:
+            raise CheckpointError(f"checkpoint model does not match: missing {missing[:3]}")
+        state = {k: state[k] for k in own}
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint model does not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def clip_local_grads(params, max_norm: float) -> float:
+    """Global L2 norm of gradients every rank holds in full (already averaged), clipped to ``max_norm``."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return 0.0
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+    return float(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
+
+
+class DataParallelEngine:
+    """Every rank holds the whole model; gradients are averaged by bucketed all-reduce during backward."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, run_dir: Path):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.group = mesh.dp_group
+        torch.manual_seed(cfg.train.seed)
+        self.module = Transformer(cfg.model)
+        self.module.reset_parameters(cfg.train.seed)
+        if cfg.train.recompute == "full":
+            apply_activation_checkpointing(self.module.blocks, cfg.train.recompute_every)
+        self.module.to(device)
+        self.wrapper = self._wrap(run_dir)
+        self.optimizer = self._optimizer()
+
+    def _wrap(self, run_dir: Path):
+        return DataParallel(self.module, group=self.group, bucket_mb=self.cfg.parallel.bucket_mb,
+                            all_reduce_fn=gradient_all_reduce(self.cfg.comm))
+
+    def _optimizer(self):
+        return build_optimizer(self.module, self.cfg.train)
+
+    def describe(self) -> str:
+        return f"dp={self.mesh.dp_size}"
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str,
+                         scaler: DynamicLossScaler | None) -> torch.Tensor:
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(batches):
+            last = i == len(batches) - 1
+            with self.wrapper.no_sync() if not last else contextlib.nullcontext():
+                with autocast_context(precision, self.device.type):
+                    loss = self.wrapper(x, y)
+                loss_sum += loss.detach()
+                scaled = loss / len(batches)
+                (scaler.scale_loss(scaled) if scaler else scaled).backward()
+        return loss_sum / len(batches)
+
+    def unscale_and_clip(self, scaler: DynamicLossScaler | None, max_norm: float) -> tuple[bool, float]:
+        found_inf = scaler.unscale_(self.module.parameters()) if scaler else False
+        return found_inf, clip_local_grads(self.module.parameters(), max_norm)
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, precision: str) -> torch.Tensor:
+        with autocast_context(precision, self.device.type):
+            return self.module(x, y).double()
+
+    def train_mode(self, on: bool) -> None:
+        self.module.train(on)
+
+    def comm_metrics(self) -> dict[str, float]:
+        return {"comm_bytes": float(self.wrapper.comm_bytes_last_step),
+                "comm_sent_bytes": float(self.wrapper.all_reduce_fn.pop_bytes_sent())}
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}
+
+    def memory_bytes(self) -> dict[str, int]:
+        return train_memory.model_state_bytes(self.wrapper, self.optimizer)
+
+    def checkpoint_state(self) -> tuple[dict | None, dict | None]:
+        """(model state, optimizer state) on global rank 0, ``(None, None)`` elsewhere; replicas are equal."""
+        if dist.get_rank() != 0:
+            return None, None
+        return self.module.state_dict(), self.optimizer.state_dict()
+
+    def load_state(self, model_state: dict, optimizer_state: dict) -> None:
+        load_model_state(self.module, model_state)
+        self.optimizer.load_state_dict(optimizer_state)
+
+    def final_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights on global rank 0 (a collective for sharded layouts)."""
+        return self.module.state_dict()
+
+
+class ZeroEngine(DataParallelEngine):
+    """ZeRO-1/2/3: the optimizer steps this rank's slice; checkpoints gather the unsharded state."""
+
+    def _wrap(self, run_dir: Path):
+        p = self.cfg.parallel
+        return ZeroDataParallel(self.module, group=self.group, stage=p.zero, bucket_mb=p.bucket_mb,
+                                unit_blocks=p.zero_unit, offload=p.offload,
+                                offload_dir=p.offload_dir or str(run_dir / "offload"),
+                                quant_weights=p.zero_quant_weights, quant_grads=p.zero_quant_grads)
+
+    def _optimizer(self):
+        return ZeroOptimizer(self.wrapper, build_optimizer(self.module, self.cfg.train))
+
+    def describe(self) -> str:
+        return f"dp={self.mesh.dp_size}, zero={self.cfg.parallel.zero}"
+
+    def unscale_and_clip(self, scaler: DynamicLossScaler | None, max_norm: float) -> tuple[bool, float]:
+        found_inf = scaler.unscale_(self.optimizer.master_params(), group=self.group) if scaler else False
+        return found_inf, self.wrapper.clip_grad_norm_(max_norm)
+
+    def comm_metrics(self) -> dict[str, float]:
+        return {"comm_bytes": float(self.wrapper.comm_bytes_last_step),
+                "comm_sent_bytes": float(self.wrapper.pop_comm_bytes())}
+
+    def checkpoint_state(self) -> tuple[dict | None, dict | None]:
+        states = self.wrapper.state_dict(), self.optimizer.state_dict()  # collectives: every rank
+        return states if dist.get_rank() == 0 else (None, None)
+
+    def load_state(self, model_state: dict, optimizer_state: dict) -> None:
+        load_model_state(self.wrapper, model_state)
+        self.optimizer.load_state_dict(optimizer_state)
+
+    def final_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.wrapper.state_dict()
+
+
+def build_engine(cfg: Config, mesh: Mesh, device: torch.device, run_dir: Path):
+    """The engine for ``cfg``'s layout: pipeline when ``parallel.pp > 1``, ZeRO when ``parallel.zero``,
+    else data parallel."""
+    if cfg.parallel.pp > 1:
+        from shardwise.train.pipeline_engine import PipelineEngine
+
+        return PipelineEngine(cfg, mesh, device, run_dir)
+    if cfg.parallel.zero:
+        return ZeroEngine(cfg, mesh, device, run_dir)
+    return DataParallelEngine(cfg, mesh, device, run_dir)

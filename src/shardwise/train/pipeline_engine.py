@@ -1,0 +1,213 @@
+"""The training engine for pipeline parallelism composed with data parallelism (pp x dp ranks).
+
+Each rank builds only its stages (:func:`~shardwise.parallel.pipeline.build_stage`; ``v`` chunks per rank
+for the interleaved schedule, chunk ``c`` being global stage ``c * p + r``), runs a step's micro-batches
+through the schedule (:class:`~shardwise.parallel.pipeline.Pipeline`), averages gradients over the
+data-parallel group once after the last micro-batch (:class:`~shardwise.parallel.pipeline.grad_sync.GradientSync`),
+clips by the global norm over the pipeline (:func:`~shardwise.parallel.pipeline.clip_grad_norm`) and steps an
+AdamW over its own parameters. The last stage's loss is broadcast along the pipeline.
+
+Checkpoints are layout-free: every stage's weights and optimizer moments are gathered on global rank 0
+under the single-process model's names and optimizer indices (:func:`~shardwise.train.optim.optimizer_param_names`),
+so a pipeline run resumes on any other layout and vice versa. Every step the pipeline's timelines are
+gathered to report the measured bubble beside the theoretical one (Narayanan et al. 2021 §2.2) and each
+stage rank's peak of live micro-batch activations; ``timeline.json`` in the run directory keeps one step's
+events for ``shardwise plot timeline``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.config import Config, pipeline_partition
+from shardwise.dist.comm.compress import gradient_all_reduce
+from shardwise.dist.mesh import Mesh
+from shardwise.model import Transformer
+from shardwise.parallel.pipeline import (
+    Pipeline,
+    Timeline,
+    bubble_fraction,
+    build_stage,
+    clip_grad_norm,
+    gather_timelines,
+    global_grad_norm,
+    partition,
+    theoretical_bubble,
+)
+from shardwise.parallel.pipeline.grad_sync import GradientSync
+from shardwise.parallel.pipeline.timeline import Event
+from shardwise.train import memory as train_memory
+from shardwise.train.engines import load_model_state
+from shardwise.train.optim import build_optimizer, decay_groups, optimizer_param_names
+from shardwise.train.precision import DynamicLossScaler, autocast_context
+from shardwise.train.recompute import checkpoint_module
+
+
+class PipelineEngine:
+    """This rank's stages of one pipeline replica, and the step that trains them."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, run_dir: Path):
+        p = cfg.parallel
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.group = mesh.dp_group
+        self.pp_group, self.stage_ranks = mesh.group("pp"), mesh.ranks("pp")
+        self.p, self.v, self.m = p.pp, p.pp_virtual, p.microbatches
+        rank = mesh.rank("pp")
+        method, boundaries = pipeline_partition(p.pp_partition)
+        self.split = partition(cfg.model, self.p * self.v, method, boundaries, seq_len=cfg.data.seq_len)
+        chunks = []
+        for c in range(self.v):
+            stage = c * self.p + rank
+            chunk = build_stage(cfg.model, stage, self.p * self.v, self.split[stage], cfg.train.seed, device)
+            if cfg.train.recompute == "full":  # the blocks a single process would checkpoint
+                for layer_id, block in chunk.blocks.items():
+                    if int(layer_id) % cfg.train.recompute_every == 0:
+                        checkpoint_module(block)
+            chunks.append(chunk)
+        self.module = nn.ModuleList(chunks)  # for accounting and train/eval mode; names via chunks
+        precision = cfg.train.precision
+        self.pipe = Pipeline(chunks, self.stage_ranks, p.pp_schedule, self.m, cfg.model.d_model,
+                             device=device, forward_context=lambda: autocast_context(precision, device.type))
+        self.sync = GradientSync(self.pipe.parameters(), self.group, p.bucket_mb, gradient_all_reduce(cfg.comm))
+        self.all_reduce_fn = self.sync.all_reduce_fn
+        self.optimizer = build_optimizer(self.module, cfg.train, self._named_parameters())
+        self.timelines: list[Timeline] = []
+        self.wrapper = self  # the memory accountant reads ``.module``
+
+    def _named_parameters(self):
+        for chunk in self.pipe.chunks:
+            yield from chunk.named_parameters()
+
+    def describe(self) -> str:
+        stages = ", ".join(f"{s.start}-{s.stop - 1}" for s in self.split)
+        chunks = f", {self.v} chunks per rank" if self.v > 1 else ""
+        return (f"pp={self.p} x dp={self.mesh.dp_size}, {self.cfg.parallel.pp_schedule} schedule, "
+                f"{self.m} micro-batches{chunks}; blocks per stage {stages}")
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str,
+                         scaler: DynamicLossScaler | None) -> torch.Tensor:
+        """One step of the schedule over the concatenated micro-batches, then the data-parallel average."""
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        self.pipe.loss_scale = scaler.scale if scaler else 1.0
+        loss = self.pipe.step(x, y)
+        self.sync()
+        self.timelines = gather_timelines(self.pipe.timeline, self.pp_group)
+        return self._from_last_stage(loss)
+
+    def _from_last_stage(self, loss: torch.Tensor | None) -> torch.Tensor:
+        out = torch.zeros((), dtype=torch.float64, device=self.device) if loss is None else loss.double()
+        dist.broadcast(out, src=self.stage_ranks[-1], group=self.pp_group)
+        return out
+
+    def unscale_and_clip(self, scaler: DynamicLossScaler | None, max_norm: float) -> tuple[bool, float]:
+        found_inf = scaler.unscale_(self.pipe.parameters(), group=dist.group.WORLD) if scaler else False
+        if max_norm > 0:
+            return found_inf, float(clip_grad_norm(self.pipe, max_norm, self.pp_group))
+        return found_inf, float(global_grad_norm(self.pipe, self.pp_group))
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, precision: str) -> torch.Tensor:
+        return self._from_last_stage(self.pipe.forward_only(x, y))
+
+    def train_mode(self, on: bool) -> None:
+        self.module.train(on)
+
+    def comm_metrics(self) -> dict[str, float]:
+        return {"comm_bytes": float(self.sync.comm_bytes_last_step),
+                "comm_sent_bytes": float(self.all_reduce_fn.pop_bytes_sent())}
+
+    def step_metrics(self) -> dict[str, float]:
+        """Measured and theoretical bubble of the last step, and every stage rank's peak live activations."""
+        if not self.timelines:
+            return {}
+        out = {"bubble": bubble_fraction(self.timelines), "bubble_theory": theoretical_bubble(self.p, self.m, self.v)}
+        out.update({f"pp_peak_live_{t.rank}": float(t.peak_live) for t in self.timelines})
+        return out
+
+    def write_timeline(self, run_dir: Path, step: int) -> None:
+        """Keep the last step's timelines as ``timeline.json`` (rank 0 of the world writes)."""
+        if dist.get_rank() != 0 or not self.timelines:
+            return
+        doc = {"step": step, "schedule": self.cfg.parallel.pp_schedule, "pp": self.p, "microbatches": self.m,
+               "virtual": self.v, "bubble": bubble_fraction(self.timelines),
+               "bubble_theory": theoretical_bubble(self.p, self.m, self.v),
+               "timelines": [dataclasses.asdict(t) for t in self.timelines]}
+        tmp = Path(run_dir) / "timeline.json.tmp"
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(Path(run_dir) / "timeline.json")
+
+    def memory_bytes(self) -> dict[str, int]:
+        return train_memory.model_state_bytes(self, self.optimizer)
+
+    # ---- layout-free checkpoints -----------------------------------------------------------------
+
+    def _reference_groups(self) -> tuple[list[str], list[str]]:
+        """The single-process optimizer's (decayed, undecayed) parameter names: its index order."""
+        with torch.device("meta"):
+            full = Transformer(self.cfg.model)
+        decay, no_decay, _ = decay_groups(full.named_parameters())
+        return decay, no_decay
+
+    def _gather_on_rank0(self, local):
+        """Every pipeline stage's ``local`` (data-parallel rank 0 only: replicas are equal) on global rank 0."""
+        mine = local if self.mesh.dp_rank == 0 else None
+        out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, out, dst=0)
+        return [o for o in out if o is not None] if out is not None else None
+
+    def checkpoint_state(self) -> tuple[dict | None, dict | None]:
+        model_state: dict[str, torch.Tensor] = {}
+        for chunk in self.pipe.chunks:
+            model_state.update({k: v.detach().cpu() for k, v in chunk.state_dict().items()})
+        local_names = optimizer_param_names(self._named_parameters())
+        opt = self.optimizer.state_dict()
+        by_name = {local_names[i]: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+                   for i, st in opt["state"].items()}
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
+        gathered = self._gather_on_rank0((model_state, by_name))
+        if gathered is None:
+            return None, None
+        full_model: dict[str, torch.Tensor] = {}
+        full_opt: dict[str, dict] = {}
+        for stage_model, stage_opt in gathered:
+            for k, v in stage_model.items():
+                full_model.setdefault(k, v)  # a tied table appears on the first and last stage, equal
+            for k, v in stage_opt.items():
+                full_opt.setdefault(k, v)
+        decay, no_decay = self._reference_groups()
+        groups = [dict(hyper[0], params=list(range(len(decay)))),
+                  dict(hyper[1], params=list(range(len(decay), len(decay) + len(no_decay))))]
+        state = {i: full_opt[n] for i, n in enumerate(decay + no_decay) if n in full_opt}
+        return full_model, {"state": state, "param_groups": groups}
+
+    def load_state(self, model_state: dict, optimizer_state: dict) -> None:
+        for chunk in self.pipe.chunks:
+            load_model_state(chunk, model_state, strict_subset=True)
+        decay, no_decay = self._reference_groups()
+        ref_index = {n: i for i, n in enumerate(decay + no_decay)}
+        saved = {int(k): v for k, v in optimizer_state["state"].items()}
+        local_names = optimizer_param_names(self._named_parameters())
+        state = {i: saved[ref_index[n]] for i, n in enumerate(local_names) if ref_index[n] in saved}
+        live_groups = self.optimizer.state_dict()["param_groups"]
+        groups = [dict({k: v for k, v in saved_g.items() if k != "params"}, params=live_g["params"])
+                  for saved_g, live_g in zip(optimizer_state["param_groups"], live_groups, strict=True)]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def final_state_dict(self) -> dict[str, torch.Tensor]:
+        model_state, _ = self.checkpoint_state()
+        return model_state or {}
+
+
+def timelines_from_json(doc: dict) -> list[Timeline]:
+    """The timelines :meth:`PipelineEngine.write_timeline` stored."""
+    out = []
+    for t in doc["timelines"]:
+        events = [Event(**e) for e in t["events"]]
+        out.append(Timeline(rank=t["rank"], events=events, peak_live=t["peak_live"], start=t["start"], end=t["end"]))
+    return out
