@@ -130,38 +130,63 @@ def _all_cases(world: int, big: bool, dtype_ops: list) -> tuple[list[str], dict[
             x = _data(rank, seed, n, torch.float32)
             full = torch.empty(n * world) if rank == root else None
             ref = gather(x, full, root, algorithm="native")
-            out = gather(x, torch.empty(n * world) if rank == root else None, root, algorithm="linear", verify=True)
-            if rank == root:
-                check(f"gather/linear n={n} root={root}", out, ref)
+            for alg in ALGORITHMS["gather"][1:]:
+                out = gather(x, torch.empty(n * world) if rank == root else None, root, algorithm=alg,
+                             chunk_bytes=256)
+                if rank == root:
+                    check(f"gather/{alg} n={n} root={root}", out, ref)
             src = _data(rank, seed + 7, n * world, torch.float32) if rank == root else None
             ref = scatter(torch.empty(n), src, root, algorithm="native")
-            out = scatter(torch.empty(n), src, root, algorithm="linear", verify=True)
-            check(f"scatter/linear n={n} root={root}", out, ref)
+            for alg in ALGORITHMS["scatter"][1:]:
+                out = scatter(torch.empty(n), src, root, algorithm=alg, chunk_bytes=256)
+                check(f"scatter/{alg} n={n} root={root}", out, ref)
     barrier(algorithm="dissemination")
     return fails, sums
 
 
 def _mismatch(world: int) -> list[str]:
-    """Wrong size / dtype on one rank: with ``verify`` every rank raises a ValueError naming the collective."""
+    """Wrong size / dtype on one rank, with the default settings (the metadata check is on by
+    default): every rank raises a ValueError naming the collective. Also through the data-parallel
+    gradient all-reduce, which checks on the first call per bucket shape only."""
     import torch.distributed as dist
 
-    from shardwise.dist.comm import all_gather, all_reduce, reduce_scatter
+    from shardwise.dist.comm import (
+        all_gather,
+        all_reduce,
+        all_to_all,
+        broadcast,
+        gather,
+        reduce,
+        reduce_scatter,
+        scatter,
+    )
+    from shardwise.dist.comm.compress import GradientAllReduce
 
     rank = dist.get_rank()
+    root = rank == 0
     msgs = []
     for kind in ("size", "dtype"):
         n = 10 + (1 if kind == "size" and rank == 1 else 0)
         dtype = torch.float16 if kind == "dtype" and rank == 1 else torch.float32
+
+        def ones(k=1, n=n, dtype=dtype):
+            return torch.ones(n * k, dtype=dtype)
+
         for name, call in [
-            ("all_reduce/ring", lambda n=n, dtype=dtype: all_reduce(
-                torch.ones(n, dtype=dtype), algorithm="ring", verify=True)),
-            ("all_reduce/tree", lambda n=n, dtype=dtype: all_reduce(
-                torch.ones(n, dtype=dtype), algorithm="tree", verify=True)),
-            ("reduce_scatter/ring", lambda n=n, dtype=dtype: reduce_scatter(
-                torch.empty(n, dtype=dtype), torch.ones(n * world, dtype=dtype), verify=True)),
-            ("all_gather/doubling", lambda n=n, dtype=dtype: all_gather(
-                torch.empty(n * world, dtype=dtype), torch.ones(n, dtype=dtype), algorithm="doubling", verify=True)),
-        ]:
+            ("all_reduce/ring", lambda: all_reduce(ones(), algorithm="ring")),
+            ("all_reduce/tree", lambda: all_reduce(ones(), algorithm="tree")),
+            ("all_reduce/rabenseifner", lambda: all_reduce(ones(), algorithm="rabenseifner")),
+            ("all_reduce/native", lambda: all_reduce(ones(), algorithm="native")),
+            ("reduce_scatter/ring", lambda: reduce_scatter(ones().zero_(), ones(world))),
+            ("all_gather/doubling", lambda: all_gather(ones(world), ones(), algorithm="doubling")),
+            ("all_to_all/pairwise", lambda: all_to_all(ones(world), ones(world))),
+            ("broadcast/chain", lambda: broadcast(ones(), 0, algorithm="chain")),
+            ("reduce/tree", lambda: reduce(ones(), 0)),
+            ("gather/tree", lambda: gather(ones(), ones(world) if root else None, 0, algorithm="tree")),
+            ("scatter/linear", lambda: scatter(ones(), ones(world) if root else None, 0)),
+            ("all_reduce/star", lambda: GradientAllReduce("star")(ones(), None)),
+        ] + ([("all_gather/ring", lambda: GradientAllReduce("ring", "topk", topk_ratio=0.5)(ones(), None))]
+             if kind == "size" else []):  # top-k sends fp32 (index, value) pairs whatever the gradient's dtype
             try:
                 call()
                 msgs.append(f"{name} {kind}: no error")
@@ -170,24 +195,29 @@ def _mismatch(world: int) -> list[str]:
     return msgs
 
 
-def _missing_peer() -> str:
+def _missing_peer() -> list[str]:
     """A rank that never joins (it took another code path) makes the others fail at ``timeout_s``
-    with an error naming the collective. On a fresh group, so that the abandoned transfers
-    cannot meet later tests' messages. (A *size* mismatch without ``verify`` is not tested:
-    gloo aborts the receiving process -- ``gloo::EnforceNotMet`` -- which is loud but kills
-    the worker; ``verify=True`` turns it into a ValueError first.)"""
+    with an error naming the collective: in the metadata check (on by default), and without it in
+    a transfer. Each on a fresh group, so that the abandoned transfers cannot meet later tests'
+    messages. (A *size* mismatch without the check is not tested: gloo aborts the receiving
+    process -- ``gloo::EnforceNotMet`` -- which is loud but kills the worker.)"""
     import torch.distributed as dist
 
-    from shardwise.dist.comm import all_reduce
+    from shardwise.dist.comm import all_reduce, gather
 
-    group = dist.new_group(list(range(dist.get_world_size())))
-    if dist.get_rank() == 1:
-        return "skipped"
-    try:
-        all_reduce(torch.ones(1000), group=group, algorithm="ring", timeout_s=2)
-    except TimeoutError as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+    out = []
+    for call in (lambda g: all_reduce(torch.ones(1000), group=g, algorithm="ring", timeout_s=2),
+                 lambda g: all_reduce(torch.ones(1000), group=g, algorithm="ring", timeout_s=2, verify=False),
+                 lambda g: gather(torch.ones(10), torch.ones(20), 0, g, "tree", timeout_s=2, verify=False)):
+        group = dist.new_group(list(range(dist.get_world_size())))
+        if dist.get_rank() == 1:
+            continue
+        try:
+            call(group)
+            out.append("no error")
+        except TimeoutError as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
@@ -210,5 +240,7 @@ def test_mismatched_tensor_is_a_clear_error(world):
 
 
 def test_missing_peer_times_out_naming_the_collective():
-    msg = run_on_ranks(2, _missing_peer, timeout=120)[0]
-    assert msg.startswith("TimeoutError") and "all_reduce/ring" in msg, msg
+    check, transfer, tree = run_on_ranks(2, _missing_peer, timeout=120)[0]
+    assert check.startswith("TimeoutError") and "all_reduce/ring (metadata check)" in check, check
+    assert transfer.startswith("TimeoutError") and "all_reduce/ring: timed out" in transfer, transfer
+    assert tree.startswith("TimeoutError") and "gather/tree: timed out" in tree, tree

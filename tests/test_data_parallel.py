@@ -343,7 +343,7 @@ def _launch_and_hook_order():
         return dist.all_reduce(t, group=group, async_op=True)
 
     model = build("tinylm")
-    dp = DataParallel(model, bucket_mb=TINY_BUCKET_MB, all_reduce_fn=recording_all_reduce)
+    dp = DataParallel(model, bucket_mb=TINY_BUCKET_MB, all_reduce_fn=recording_all_reduce, comm_thread=False)
     for name, p in model.named_parameters():  # registered after ours, so they run right after it
         p.register_post_accumulate_grad_hook(lambda p, n=name: events.append(("grad", n)))
     x, y = global_batch("tinylm", dist.get_rank(), 4)
@@ -363,3 +363,94 @@ def test_all_reduce_overlaps_backward():
         launched = [n for k, n in events if k == "launch"]
         assert len(launched) == len(sizes) and all(n > s for n, s in zip(launched, sizes, strict=True))
         assert comm_bytes == 4 * sum(launched)
+
+
+# ---- the communication thread (blocking algorithms overlap backward too) -------------------------
+
+
+def _comm_thread_overlap():
+    """A *blocking* all-reduce fn whose first call waits until backward has produced every gradient.
+
+    Run inline it would block backward and wait out its timeout; on the communication thread
+    backward goes on meanwhile. Then: gradients equal native DataParallel's bit for bit, and
+    no thread is left behind.
+    """
+    import threading
+
+    model = build("tinylm")
+    ref_model = copy.deepcopy(model)
+    n_params = sum(1 for _ in model.parameters())
+    all_grads, seen, calls = threading.Event(), [], []
+
+    def blocking_all_reduce(t, group):
+        if not calls:
+            calls.append(all_grads.wait(timeout=30))
+        calls.append(threading.current_thread() is threading.main_thread())
+        dist.all_reduce(t, group=group)  # synchronous, like our point-to-point algorithms
+
+    dp = DataParallel(model, bucket_mb=TINY_BUCKET_MB, all_reduce_fn=blocking_all_reduce)
+    ref = DataParallel(ref_model, bucket_mb=TINY_BUCKET_MB)
+
+    def count(p):
+        seen.append(p)
+        if len(seen) == n_params:
+            all_grads.set()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(count)
+    for step in range(2):
+        x, y = shard(global_batch("tinylm", step, 8), *_rank_world())
+        for net in (dp, ref):
+            net.zero_grad(set_to_none=True)
+            loss_of(net, "tinylm", x, y).backward()
+    equal = all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref_model.parameters(), strict=True))
+    leftover = [t.name for t in threading.enumerate() if t.name.startswith("DataParallel comm")]
+    return calls[0], any(calls[1:]), equal, len(dp.bucket_sizes), leftover
+
+
+def test_blocking_all_reduce_overlaps_backward_on_the_comm_thread():
+    for overlapped, on_main, equal, n_buckets, leftover in run_on_ranks(2, _comm_thread_overlap):
+        assert overlapped, "backward did not go on while the first bucket was being reduced"
+        assert not on_main and equal and n_buckets > 3
+        assert leftover == [], leftover
+
+
+def _comm_thread_failure():
+    """A failure in the communication thread is raised from backward(), naming the bucket; the
+    buckets after it are not run; the wrapper trains normally afterwards."""
+    import threading
+
+    model = build("tinylm")
+    ref_model = copy.deepcopy(model)
+    calls = []
+
+    def failing_all_reduce(t, group):
+        calls.append(len(calls))
+        if fail and len(calls) == 2:
+            raise ValueError("all_reduce/ring: injected failure")
+        dist.all_reduce(t, group=group)
+
+    dp = DataParallel(model, bucket_mb=TINY_BUCKET_MB, all_reduce_fn=failing_all_reduce)
+    ref = DataParallel(ref_model, bucket_mb=TINY_BUCKET_MB)
+    x, y = shard(global_batch("tinylm", 0, 8), *_rank_world())
+    fail = True
+    try:
+        loss_of(dp, "tinylm", x, y).backward()
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    calls_when_failed = len(calls)
+    fail = False
+    for net in (dp, ref):
+        net.zero_grad(set_to_none=True)
+        loss_of(net, "tinylm", x, y).backward()
+    equal = all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref_model.parameters(), strict=True))
+    leftover = [t.name for t in threading.enumerate() if t.name.startswith("DataParallel comm")]
+    return message, calls_when_failed, equal, leftover
+
+
+def test_comm_thread_failure_surfaces_in_backward():
+    for message, calls_when_failed, equal, leftover in run_on_ranks(2, _comm_thread_failure):
+        assert "bucket 1" in message and "all_reduce/ring: injected failure" in message, message
+        assert calls_when_failed == 2, "buckets after the failed one must not be run"
+        assert equal and leftover == []

@@ -26,6 +26,13 @@ After synchronisation each ``param.grad`` *is* a view into its bucket (torch DDP
 ``gradient_as_bucket_view``): no copy back, and no second copy of the gradients.
 Reentrant activation checkpointing is not supported (a parameter's gradient would be
 accumulated in several inner backward passes); use ``use_reentrant=False``.
+
+Overlap with algorithms other than the backend's: an ``all_reduce_fn`` may block (our
+point-to-point algorithms in :mod:`shardwise.dist.comm` do). Unless it is the native one,
+each bucket's call is handed to a communication thread (:class:`~shardwise.dist.comm.background.CommThread`)
+that runs them one at a time in launch order -- the same order on every rank -- while
+backward computes the next gradients; the thread is joined at the end of backward, and an
+error raised in it is re-raised from ``backward()``.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from shardwise.dist.comm.background import CommThread, Job
 
 AllReduceFn = Callable[[torch.Tensor, "dist.ProcessGroup | None"], "dist.Work | None"]
 """``fn(tensor, group) -> Work | None``: sum ``tensor`` in place over ``group``; may return
@@ -95,7 +104,8 @@ class _Bucket:
     flags: torch.Tensor
     pending: int = 0
     """Parameters whose gradient is not ready yet in this backward pass."""
-    work: dist.Work | None = None
+    work: dist.Work | Job | None = None
+    """What the launch returned: an async handle, or the communication thread's job."""
 
 
 def _assign_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
@@ -141,10 +151,12 @@ class DataParallel(nn.Module):
         broadcast_from: rank *within group* whose weights every replica starts from.
         all_reduce_fn: ``fn(flat, group) -> Work | None`` summing ``flat`` in place;
             default the backend's native all-reduce. (Other algorithms plug in here.)
+        comm_thread: call ``all_reduce_fn`` on a background thread so that a blocking
+            algorithm overlaps backward; default: for every fn but the native one.
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0,
-                 broadcast_from: int = 0, all_reduce_fn: AllReduceFn | None = None):
+                 broadcast_from: int = 0, all_reduce_fn: AllReduceFn | None = None, comm_thread: bool | None = None):
         super().__init__()
         self.module = module
         self.group = group
@@ -158,6 +170,8 @@ class DataParallel(nn.Module):
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._buckets: list[_Bucket] = []
         self._hooks = []
+        threaded = self.all_reduce_fn is not native_all_reduce if comm_thread is None else comm_thread
+        self._thread = CommThread(f"DataParallel comm thread (rank {dist.get_rank()})") if threaded else None
         if self.world_size == 1:
             return  # the average over one rank is the gradient itself: nothing to do
         broadcast_module(module, group, broadcast_from, int(bucket_mb * 2**20))
@@ -174,6 +188,9 @@ class DataParallel(nn.Module):
     def __del__(self):
         for handle in getattr(self, "_hooks", ()):
             handle.remove()
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread.running:
+            thread.abandon()
 
     @staticmethod
     def _make_bucket(index: int, params: list[nn.Parameter]) -> _Bucket:
@@ -207,6 +224,8 @@ class DataParallel(nn.Module):
     # ---- during backward ---------------------------------------------------------------------
 
     def _reset(self) -> None:
+        if self._thread is not None and self._thread.running:  # a backward pass died half-way
+            self._thread.abandon()
         self._in_backward = False
         self._launched_early = 0
         self._next_bucket = 0
@@ -246,7 +265,11 @@ class DataParallel(nn.Module):
             torch.div(grad, self.world_size, out=view)
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.work = self.all_reduce_fn(bucket.buffer, self.group)
+        if self._thread is None:
+            bucket.work = self.all_reduce_fn(bucket.buffer, self.group)
+        else:
+            bucket.work = self._thread.submit(self.all_reduce_fn, bucket.buffer, self.group,
+                                              label=f"all-reduce of bucket {bucket.index}")
         self._next_bucket = bucket.index + 1
 
     @torch.no_grad()
@@ -264,9 +287,12 @@ class DataParallel(nn.Module):
                         b.views[pos].zero_()
                         b.flags[pos] = 0
                 self._launch(b)
+            if self._thread is not None:
+                self._thread.join()  # re-raises a failure of the communication thread here
             for b in self._buckets:
-                if b.work is not None:
-                    b.work.wait()
+                work = b.work.result if isinstance(b.work, Job) else b.work
+                if work is not None:
+                    work.wait()
                 for pos, (p, view) in enumerate(zip(b.params, b.views, strict=True)):
                     if p.grad is None:
                         if b.flags[pos].item() != 0:  # another rank had a gradient: take the average

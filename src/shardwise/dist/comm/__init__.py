@@ -8,6 +8,7 @@ Modules:
     collectives  reduce-scatter, all-gather, broadcast, reduce, gather, scatter, all-to-all, barrier
     cost         alpha-beta-gamma formulas, ``calibrate(group)``, ``choose(collective, bytes, ...)``
     compress     top-k / int8 / fp16 / bf16 gradient all-reduce for DataParallel (error feedback)
+    background   the communication thread that lets blocking algorithms overlap backward
     bench        ``shardwise bench comm``
 """
 

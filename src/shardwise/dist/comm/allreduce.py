@@ -36,6 +36,7 @@ from .primitives import (
     fold_view,
     halving_reduce_scatter,
     ring_all_gather,
+    ring_all_reduce,
     ring_reduce_scatter,
     tree_broadcast,
     tree_reduce,
@@ -89,10 +90,9 @@ def star(c: Comm, x: torch.Tensor, op: str, manager: int = 0) -> None:
 
 def ring(c: Comm, x: torch.Tensor, op: str) -> None:
     """Ring reduce-scatter then ring all-gather (Patarasuk & Yuan 2009, §3): 2(N-1) steps,
-    2(N-1)/N * S bytes per rank -- bandwidth optimal."""
-    segs = blocks(x.numel(), c.size)
-    ring_reduce_scatter(c, x, segs, op)
-    ring_all_gather(c, x, segs)
+    2(N-1)/N * S bytes per rank -- bandwidth optimal; pipelined chunk by chunk across steps
+    (see :func:`.primitives.ring_all_reduce`)."""
+    ring_all_reduce(c, x, blocks(x.numel(), c.size), op)
 
 
 def _folded(c: Comm, x: torch.Tensor, op: str, body) -> None:
@@ -203,7 +203,7 @@ def native_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.Process
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
                algorithm: str = "ring", *, node_size: int | None = None, chunk_bytes: int | None = None,
-               verify: bool = False, timeout_s: float | None = None, stats: CommStats | None = None) -> torch.Tensor:
+               verify: bool = True, timeout_s: float | None = None, stats: CommStats | None = None) -> torch.Tensor:
     """Reduce ``tensor`` in place over ``group`` with the named algorithm; return it.
 
     Args:
@@ -212,8 +212,11 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup |
         node_size: ranks per node for "hierarchical" (default 2) and row length for "torus".
         chunk_bytes: pipelining chunk size (default :data:`.p2p.DEFAULT_CHUNK_BYTES`).
         verify: first check that every rank passes the same count, dtype, op and algorithm
-            (one 4-integer all-gather); a mismatch raises ``ValueError`` on every rank. Without
-            it a mismatch fails in a transfer or at ``timeout_s``, named after the collective.
+            (one 4-integer all-gather, on by default); a mismatch raises ``ValueError`` naming
+            the collective on every rank. ``verify=False`` skips it (benchmarks, or callers that
+            check once themselves, like :class:`.compress.GradientAllReduce`): then a mismatch of
+            byte size aborts the process inside gloo, or fails at ``timeout_s``, and a same-size
+            dtype mismatch gives a wrong answer.
         timeout_s: bound on each wait (default: the process group's timeout).
         stats: if given, counts the bytes and messages this rank sends.
     """
@@ -224,7 +227,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup |
                          f"{', '.join(ALL_REDUCE_ALGORITHMS)} (or 'auto' through the cost model)")
     name = f"all_reduce/{algorithm}"
     if verify:
-        verify_same(group, name, tensor, op, ALL_REDUCE_ALGORITHMS.index(algorithm))
+        verify_same(group, name, tensor, op, ALL_REDUCE_ALGORITHMS.index(algorithm), timeout_s)
     if algorithm == "native":
         return native_all_reduce(tensor, op, group)
     kwargs = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}

@@ -53,8 +53,9 @@ def parse_sizes(text: str) -> list[int]:
     return [parse_size(t) for t in text.split(",") if t]
 
 
-def run_collective(collective: str, algorithm: str, nbytes: int, group, n: int):
-    """A closure performing one ``collective`` of ``nbytes`` (fp32) with ``algorithm``."""
+def run_collective(collective: str, algorithm: str, nbytes: int, group, n: int, verify: bool = False):
+    """A closure performing one ``collective`` of ``nbytes`` (fp32) with ``algorithm``
+    (without the per-call metadata check unless ``verify``: benchmarks time the algorithm)."""
     from . import all_gather, all_reduce, all_to_all, barrier, broadcast, gather, reduce, reduce_scatter, scatter
 
     rooted = collective in ("broadcast", "reduce")
@@ -62,26 +63,26 @@ def run_collective(collective: str, algorithm: str, nbytes: int, group, n: int):
     rank = dist.get_rank(group)
     x = torch.randn(count)
     if collective == "all_reduce":
-        return lambda: all_reduce(x, "sum", group, algorithm)
+        return lambda: all_reduce(x, "sum", group, algorithm, verify=verify)
     if collective == "reduce_scatter":
         out = torch.empty(count // n)
-        return lambda: reduce_scatter(out, x, "sum", group, algorithm)
+        return lambda: reduce_scatter(out, x, "sum", group, algorithm, verify=verify)
     if collective == "all_gather":
         inp = x[:count // n].clone()
-        return lambda: all_gather(x, inp, group, algorithm)
+        return lambda: all_gather(x, inp, group, algorithm, verify=verify)
     if collective == "all_to_all":
         out = torch.empty_like(x)
-        return lambda: all_to_all(out, x, group, algorithm)
+        return lambda: all_to_all(out, x, group, algorithm, verify=verify)
     if collective == "broadcast":
-        return lambda: broadcast(x, 0, group, algorithm)
+        return lambda: broadcast(x, 0, group, algorithm, verify=verify)
     if collective == "reduce":
-        return lambda: reduce(x, 0, "sum", group, algorithm)
+        return lambda: reduce(x, 0, "sum", group, algorithm, verify=verify)
     if collective == "gather":
         part = x[:count // n].clone()
-        return lambda: gather(part, x if rank == 0 else None, 0, group, algorithm)
+        return lambda: gather(part, x if rank == 0 else None, 0, group, algorithm, verify=verify)
     if collective == "scatter":
         part = torch.empty(count // n)
-        return lambda: scatter(part, x if rank == 0 else None, 0, group, algorithm)
+        return lambda: scatter(part, x if rank == 0 else None, 0, group, algorithm, verify=verify)
     if collective == "barrier":
         return lambda: barrier(group, algorithm)
     raise ValueError(f"unknown collective {collective!r}")
@@ -119,9 +120,10 @@ def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace, out_path
     coll = args.collective
     every = ALL_REDUCE_ALGORITHMS if coll == "all_reduce" else ALGORITHMS[coll]
     algs = [a for a in (args.algorithms or list(every) + ["auto"]) if a != "native"]
-    model = calibrate(collectives=(coll,))
+    sizes = parse_sizes(args.sizes)
+    model = calibrate(large=max(4 << 20, min(max(sizes), 64 << 20)), collectives=(coll,))
     rows, picks = [], {}
-    for size in parse_sizes(args.sizes):
+    for size in sizes:
         native = run_collective(coll, "native", size, None, nproc)
         timed: dict[str, tuple[float, float]] = {}  # algorithm -> (its time, native's time beside it)
         for alg in algs:
@@ -149,7 +151,9 @@ def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace, out_path
     if rank == 0:
         result = {"collective": coll, "nproc": nproc, "backend": "gloo", "reps": args.reps,
                   "model": {"alpha_s": model.alpha, "beta_s_per_byte": model.beta, "gamma_s_per_byte": model.gamma,
-                            "native": model.native, "efficiency": model.efficiency, "margin": model.margin},
+                            "native": model.native, "efficiency": model.efficiency, "overhead_s": model.overhead,
+                            "delta_s_per_byte": model.delta,
+                            "margin": model.margin},
                   "auto_picks": {str(k): v for k, v in picks.items()}, "rows": rows}
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1)

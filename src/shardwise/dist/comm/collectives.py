@@ -3,7 +3,11 @@ each with our point-to-point algorithms and the backend's own ("native") as the 
 
 Signatures follow torch.distributed's tensor-in/tensor-out forms (``reduce_scatter_tensor``,
 ``all_gather_into_tensor``, ``all_to_all_single`` with equal splits), with ``op`` and
-``algorithm`` as strings and ``src``/``dst`` as ranks *within* ``group``. Sources: Thakur,
+``algorithm`` as strings and ``src``/``dst`` as ranks *within* ``group``. Every call first
+checks that all ranks pass the same element count, dtype, op, algorithm and root (``verify``,
+one small all-gather; see :func:`.p2p.verify_same`) and raises a ``ValueError`` naming the
+collective otherwise; ``verify=False`` skips the check (benchmarks) at the risk of a gloo abort
+or a wrong answer on a mismatch. Sources: Thakur,
 Rabenseifner & Gropp 2005 (IJHPCA 19(1)) §4 for every algorithm here except the
 dissemination barrier (Hensgen, Finkel & Manber 1988, "Two algorithms for barrier
 synchronization", IJPP 17(1)) and the ring (Patarasuk & Yuan 2009).
@@ -48,8 +52,8 @@ ALGORITHMS = {
     "all_gather": ("native", "ring", "doubling"),
     "broadcast": ("native", "tree", "chain"),
     "reduce": ("native", "tree", "chain"),
-    "gather": ("native", "linear"),
-    "scatter": ("native", "linear"),
+    "gather": ("native", "linear", "tree"),
+    "scatter": ("native", "linear", "tree"),
     "all_to_all": ("native", "pairwise"),
     "barrier": ("native", "dissemination"),
 }
@@ -69,7 +73,7 @@ def _start(collective: str, algorithm: str, group, tensor, op: str, verify: bool
         raise ValueError(f"{collective}: op={op!r} is not valid; use one of {', '.join(OPS)}")
     name = f"{collective}/{algorithm}"
     if verify:
-        verify_same(group, name, tensor, op, ALGORITHMS[collective].index(algorithm) + 16 * extra)
+        verify_same(group, name, tensor, op, ALGORITHMS[collective].index(algorithm) + 16 * extra, timeout_s)
     kwargs = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
     return make_comm(group, name, timeout_s, stats=stats, **kwargs)
 
@@ -80,7 +84,7 @@ def _check_len(name: str, got: int, want: int, what: str) -> None:
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None, algorithm: str = "ring",
-                   *, verify: bool = False, timeout_s=None, chunk_bytes=None, stats: CommStats | None = None):
+                   *, verify: bool = True, timeout_s=None, chunk_bytes=None, stats: CommStats | None = None):
     """Reduce ``input`` (N equal blocks) over the group; rank r gets block r in ``output``.
 
     "ring": N-1 steps; "halving": recursive halving, log2 p steps (+2 for non-powers of two).
@@ -113,7 +117,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", g
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "ring", *,
-               verify: bool = False, timeout_s=None, chunk_bytes=None, stats: CommStats | None = None):
+               verify: bool = True, timeout_s=None, chunk_bytes=None, stats: CommStats | None = None):
     """Concatenate every rank's ``input`` into ``output`` (N times as long), in rank order.
 
     "ring": N-1 steps; "doubling": recursive doubling, log2 p steps (+2 for non-powers of two).
@@ -144,7 +148,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     return output
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "tree", *, verify: bool = False,
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "tree", *, verify: bool = True,
               timeout_s=None, chunk_bytes=None, stats: CommStats | None = None):
     """Copy rank ``src``'s ``tensor`` to every rank. "tree": binomial, ceil(log2 N) steps of S bytes;
     "chain": pipelined chain, N-1 + k-1 steps of S/k bytes (k chunks)."""
@@ -158,7 +162,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group=None, algorithm: str = "tree", *,
-           verify: bool = False, timeout_s=None, chunk_bytes=None, stats: CommStats | None = None):
+           verify: bool = True, timeout_s=None, chunk_bytes=None, stats: CommStats | None = None):
     """Reduce every rank's ``tensor`` into rank ``dst``'s; other ranks' tensors are left unchanged.
     "tree": binomial; "chain": pipelined chain."""
     c = _start("reduce", algorithm, group, tensor, op, verify, timeout_s, chunk_bytes, stats, dst)
@@ -172,16 +176,20 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group=None, algo
 
 
 def gather(tensor: torch.Tensor, output: torch.Tensor | None = None, dst: int = 0, group=None,
-           algorithm: str = "linear", *, verify: bool = False, timeout_s=None, chunk_bytes=None,
+           algorithm: str = "linear", *, verify: bool = True, timeout_s=None, chunk_bytes=None,
            stats: CommStats | None = None):
     """Concatenate every rank's ``tensor`` into ``output`` (N times as long) on rank ``dst``:
-    "linear": every rank sends straight to the root, which posts all receives at once."""
+    "linear": every rank sends straight to the root, which posts all receives at once;
+    "tree": binomial tree, ceil(log2 N) rounds (see :func:`_tree_gather`)."""
     c = _start("gather", algorithm, group, tensor, "", verify, timeout_s, chunk_bytes, stats, dst)
     if c.me == dst:
         _check_len(c.name, output.numel(), tensor.numel() * c.size, "output")
     if algorithm == "native":
         parts = list(output.view(-1).chunk(c.size)) if c.me == dst else None
         dist.gather(tensor, parts, dst=dist.get_global_rank(group, dst) if group else dst, group=group)
+        return output
+    if algorithm == "tree":
+        _tree_gather(c, tensor.reshape(-1), output.view(-1) if c.me == dst else None, dst)
         return output
     if c.me != dst:
         send(c, tensor.reshape(-1).contiguous(), dst)
@@ -194,16 +202,20 @@ def gather(tensor: torch.Tensor, output: torch.Tensor | None = None, dst: int = 
 
 
 def scatter(tensor: torch.Tensor, input: torch.Tensor | None = None, src: int = 0, group=None,
-            algorithm: str = "linear", *, verify: bool = False, timeout_s=None, chunk_bytes=None,
+            algorithm: str = "linear", *, verify: bool = True, timeout_s=None, chunk_bytes=None,
             stats: CommStats | None = None):
     """Rank r receives block r of rank ``src``'s ``input`` (N blocks) into ``tensor``:
-    "linear": the root posts all sends at once."""
+    "linear": the root posts all sends at once; "tree": binomial tree, ceil(log2 N) rounds
+    (see :func:`_tree_scatter`)."""
     c = _start("scatter", algorithm, group, tensor, "", verify, timeout_s, chunk_bytes, stats, src)
     if c.me == src:
         _check_len(c.name, input.numel(), tensor.numel() * c.size, "input")
     if algorithm == "native":
         parts = [p.contiguous() for p in input.view(-1).chunk(c.size)] if c.me == src else None
         dist.scatter(tensor, parts, src=dist.get_global_rank(group, src) if group else src, group=group)
+        return tensor
+    if algorithm == "tree":
+        _tree_scatter(c, tensor.view(-1), input.reshape(-1) if c.me == src else None, src)
         return tensor
     if c.me != src:
         recv(c, tensor.view(-1), src)
@@ -215,8 +227,61 @@ def scatter(tensor: torch.Tensor, input: torch.Tensor | None = None, src: int = 
     return tensor
 
 
+def _subtree(v: int, n: int) -> int:
+    """Ranks in the binomial subtree of relative rank ``v`` (itself included): v .. v+size-1."""
+    return n if v == 0 else min(v & -v, n - v)
+
+
+def _tree_gather(c, mine: torch.Tensor, output: torch.Tensor | None, root: int) -> None:
+    """Binomial-tree (minimum-spanning-tree) gather: in round k, relative rank v with bit k set
+    sends the blocks of its whole subtree to v - 2^k and leaves; the others receive a subtree
+    from v + 2^k. ceil(log2 N) rounds, (N-1)/N * S bytes into the root (Thakur, Rabenseifner &
+    Gropp 2005, §3; Chan et al. 2007, "Collective communication: theory, practice, and
+    experience", CCPE 19(13), §4.1). Blocks travel in relative-rank order; the root rotates."""
+    n, b = c.size, mine.numel()
+    v = (c.me - root) % n
+    size = _subtree(v, n)
+    buf = output if (v == 0 and root == 0) else torch.empty(size * b, dtype=mine.dtype, device=mine.device)
+    buf[:b].copy_(mine)
+    mask = 1
+    while mask < n:
+        if v & mask:
+            send(c, buf, (v - mask + root) % n)
+            return
+        if v + mask < n:
+            got = _subtree(v + mask, n)
+            recv(c, buf[mask * b:(mask + got) * b], (v + mask + root) % n)
+        mask <<= 1
+    if buf is not output:  # the root: relative block j is rank (j + root)'s block
+        output[root * b:].copy_(buf[:(n - root) * b])
+        output[:root * b].copy_(buf[(n - root) * b:])
+
+
+def _tree_scatter(c, mine: torch.Tensor, input: torch.Tensor | None, root: int) -> None:
+    """Binomial-tree scatter, the gather's mirror: relative rank v receives its subtree's blocks
+    from its parent, then hands each child v + 2^k (largest first) that child's subtree
+    (Thakur et al. 2005, §3; Chan et al. 2007, §4.1)."""
+    n, b = c.size, mine.numel()
+    v = (c.me - root) % n
+    size = _subtree(v, n)
+    if v == 0:
+        buf = input if root == 0 else torch.cat([input[root * b:], input[:root * b]])
+    else:
+        buf = torch.empty(size * b, dtype=mine.dtype, device=mine.device)
+        recv(c, buf, (v - (v & -v) + root) % n)
+    works = []
+    mask = (v & -v) >> 1 if v else 1 << max(n - 1, 1).bit_length()
+    while mask > 0:
+        if v + mask < n and mask < size:
+            got = _subtree(v + mask, n)
+            works += isend(c, buf[mask * b:(mask + got) * b].contiguous(), (v + mask + root) % n)
+        mask >>= 1
+    mine.copy_(buf[:b])
+    wait(c, works)
+
+
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "pairwise", *,
-               verify: bool = False, timeout_s=None, chunk_bytes=None, stats: CommStats | None = None):
+               verify: bool = True, timeout_s=None, chunk_bytes=None, stats: CommStats | None = None):
     """Block j of rank i's ``input`` becomes block i of rank j's ``output`` (N equal blocks).
     "pairwise": N-1 steps; at step s, send to r+s and receive from r-s (Thakur et al. §4.5)."""
     c = _start("all_to_all", algorithm, group, input, "", verify, timeout_s, chunk_bytes, stats)

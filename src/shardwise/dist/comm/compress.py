@@ -82,6 +82,7 @@ class GradientAllReduce:
         self.stats = CommStats()
         self._models: dict[int, CostModel] = {}
         self._residual: dict[tuple, torch.Tensor] = {}
+        self._verified: set[tuple] = set()
         self.choices: dict[int, str] = {}
         """With "auto": the algorithm chosen for each bucket size (bytes)."""
 
@@ -95,9 +96,17 @@ class GradientAllReduce:
             return self.algorithm
         key = id(group)
         if key not in self._models:  # collective: every rank reaches its first bucket in the same order
-            self._models[key] = calibrate(group)
+            self._models[key] = calibrate(group, large=min(max(4 << 20, nbytes), 64 << 20))
         return self.choices.setdefault(nbytes, self._models[key].choose("all_reduce", nbytes,
                                                                         node_size=self.node_size))
+
+    def _first(self, *key) -> bool:
+        """True the first time ``key`` is seen: check the ranks' tensors agree on the first call per
+        shape only (a bucket's size never changes), not on every step."""
+        if key in self._verified:
+            return False
+        self._verified.add(key)
+        return True
 
     def _count_native(self, collective: str, nbytes: int, n: int) -> None:
         self.stats.bytes_sent += int(cost(collective, "native", nbytes, n).sent)
@@ -115,7 +124,8 @@ class GradientAllReduce:
                 self._count_native("all_reduce", nbytes, n)
                 if wire is flat:  # the backend's own, asynchronous: overlaps the rest of backward
                     return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            all_reduce(wire, "sum", group, alg, node_size=self.node_size, stats=self.stats)
+            all_reduce(wire, "sum", group, alg, node_size=self.node_size, stats=self.stats,
+                       verify=self._first("all_reduce", id(group), wire.numel(), wire.dtype, alg))
             if wire is not flat:
                 flat.copy_(wire)
             return None
@@ -130,7 +140,8 @@ class GradientAllReduce:
     def _gather(self, out: torch.Tensor, inp: torch.Tensor, group, n: int, native: bool) -> None:
         if native:
             self._count_native("all_gather", out.numel(), n)
-        all_gather(out, inp, group, "native" if native else "ring", stats=self.stats)
+        all_gather(out, inp, group, "native" if native else "ring", stats=self.stats,
+                   verify=self._first("all_gather", id(group), inp.numel(), inp.dtype))
 
     def _topk(self, flat: torch.Tensor, group, n: int, native: bool, key: tuple) -> None:
         residual = self._residual.setdefault(key, torch.zeros(flat.numel(), dtype=torch.float32))
@@ -159,7 +170,8 @@ class GradientAllReduce:
         received = torch.empty_like(packets)
         if native:
             self._count_native("all_to_all", packets.numel(), n)
-        all_to_all(received, packets, group, "native" if native else "pairwise", stats=self.stats)
+        all_to_all(received, packets, group, "native" if native else "pairwise", stats=self.stats,
+                   verify=self._first("all_to_all", id(group), packets.numel(), packets.dtype))
         block = server  # my block: the sum of every rank's dequantized piece, in rank order, plus my error
         total = torch.zeros(B)
         for row in received:

@@ -28,14 +28,16 @@ torus (R x C)       2(C-1) + 2(R-1)               2(C-1)/C S + 2(R-1)/R S/C     
 Reduce-scatter / all-gather: ring N-1 steps, (N-1)/N S; halving / doubling log2 p steps,
 (p-1)/p S. Broadcast / reduce: binomial tree lg steps of S; pipelined chain with k chunks
 N+k-2 steps of S/k (Thakur §3; Chan et al. 2007 §4). Gather / scatter / all-to-all (linear,
-pairwise): N-1 steps, (N-1)/N S. Barrier (dissemination): lg steps of no payload.
+pairwise): N-1 steps, (N-1)/N S; gather / scatter binomial tree: lg steps, (N-1)/N S (Chan §4.1).
+Barrier (dissemination): lg steps of no payload.
 """
 
 from __future__ import annotations
 
 import math
+import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -55,6 +57,14 @@ class Cost:
     """Bytes reduced on the critical path (each costs gamma)."""
     sent: float = 0.0
     """The most bytes any single rank sends."""
+    copied: float = 0.0
+    """Bytes written into freshly allocated buffers on the critical path (each costs delta): the
+    full-size receive buffers and clones of naive, star and recursive doubling; zero for the
+    algorithms that work in place (ring, Rabenseifner, trees, hierarchical, torus)."""
+    total: float = 0.0
+    """Bytes sent by all ranks together (0: not modelled). On one shared-memory host every
+    transfer is a copy by the same few cores, so throughput is bounded by this total rather than
+    by the busiest link (see :attr:`CostModel.shared_host`)."""
 
 
 def _lg(n: int) -> int:
@@ -64,6 +74,28 @@ def _lg(n: int) -> int:
 def cost(collective: str, algorithm: str, nbytes: float, n: int, node_size: int | None = None,
          chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Cost:
     """The classic step / byte counts of ``algorithm`` for ``collective`` on ``n`` ranks (table above)."""
+    c = _classic(collective, algorithm, nbytes, n, node_size, chunk_bytes)
+    if collective == "all_reduce" and n > 1:
+        return replace(c, total=total_bytes(algorithm, float(nbytes), n))
+    return c
+
+
+def total_bytes(algorithm: str, S: float, n: int) -> float:
+    """Bytes all ``n`` ranks send together in one all-reduce of S bytes: 2(N-1) S for every
+    algorithm that moves each rank's contribution once and the result back once (ring,
+    Rabenseifner with its fold, binomial tree, star, hierarchical, torus -- the reduce-scatter +
+    all-gather lower bound of Patarasuk & Yuan 2009, §2); N(N-1) S for naive; p log2 p S + 2r S
+    for recursive doubling (p = largest power of two, r = N - p folded ranks)."""
+    if algorithm == "naive":
+        return n * (n - 1) * S
+    if algorithm == "recursive_doubling":
+        p = largest_pow2(n)
+        return p * math.log2(p) * S + 2 * (n - p) * S
+    return 2 * (n - 1) * S
+
+
+def _classic(collective: str, algorithm: str, nbytes: float, n: int, node_size: int | None,
+             chunk_bytes: int) -> Cost:
     S = float(nbytes)
     p = largest_pow2(n)
     fold = n != p
@@ -79,13 +111,13 @@ def cost(collective: str, algorithm: str, nbytes: float, n: int, node_size: int 
             return Cost(2 * lgp + 2 * fold, b, (p - 1) / p * S + S * fold, b - S * fold)
         if algorithm == "recursive_doubling":
             b = lgp * S + (2 * S if fold else 0)
-            return Cost(lgp + 2 * fold, b, lgp * S + S * fold, b - S * fold)
+            return Cost(lgp + 2 * fold, b, lgp * S + S * fold, b - S * fold, lgp * S)  # a clone per round
         if algorithm == "tree":
             return Cost(2 * _lg(n), 2 * _lg(n) * S, _lg(n) * S, _lg(n) * S)  # the root broadcasts lg times
         if algorithm == "naive":
-            return Cost(n - 1, (n - 1) * S, (n - 1) * S, (n - 1) * S)
+            return Cost(n - 1, (n - 1) * S, (n - 1) * S, (n - 1) * S, (n + 1) * S)  # N-1 buffers, sum, copy back
         if algorithm == "star":
-            return Cost(2 * (n - 1), 2 * (n - 1) * S, (n - 1) * S, (n - 1) * S)
+            return Cost(2 * (n - 1), 2 * (n - 1) * S, (n - 1) * S, (n - 1) * S, (n + 1) * S)  # at the manager
         if algorithm == "hierarchical":
             L = max(1, min(node_size or 2, n))
             M = math.ceil(n / L)
@@ -110,6 +142,10 @@ def cost(collective: str, algorithm: str, nbytes: float, n: int, node_size: int 
             return Cost(lg, lg * S, lg * S if red else 0, lg * S)
         k = max(1, math.ceil(S / chunk_bytes))
         return Cost(n + k - 2, (n + k - 2) * S / k, (n + k - 2) * S / k if red else 0, S)
+    elif collective in ("gather", "scatter") and algorithm == "tree":  # binomial: the root's link carries it all
+        b = (n - 1) / n * S
+        biggest = max(min(v & -v, n - v) for v in range(1, n))  # the largest subtree a non-root forwards
+        return Cost(_lg(n), b, 0, b if collective == "scatter" else biggest * S / n)
     elif collective in ("gather", "scatter", "all_to_all"):
         b = (n - 1) / n * S
         return Cost(n - 1, b, 0, b)
@@ -132,10 +168,23 @@ class CostModel:
     native: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Per collective, the backend's own measured ``(seconds, seconds per byte)`` line."""
     margin: float = 0.8
-    """:meth:`choose` takes one of ours over native only if predicted faster than ``margin`` x native."""
+    """:meth:`choose` takes one of ours over native only if predicted faster than ``margin`` x native;
+    :func:`calibrate` lowers it to ``1 / (1 + e)^2``, e the worst relative error of its own fits, so
+    that a choice is never made on a predicted gain smaller than the model's demonstrated error."""
     efficiency: tuple[float, float] = (1.0, 1.0)
     """Measured / modelled time of our ring all-reduce, for the latency part and for the byte part:
     what the ideal formulas miss of our implementation (Python dispatch, copies); applied to all of ours."""
+    delta: float = 0.0
+    """Seconds per byte written into a fresh buffer (allocation, first-touch page faults, copy):
+    the memory-copy cost, separate from the transfer (beta) and the reduction (gamma)."""
+    shared_host: bool = False
+    """Every rank of the group on one host (as :func:`calibrate` finds out): transfers are memory
+    copies by the same cores, so an algorithm's bytes cost ``total / N`` (its share of all the bytes
+    moved, which for the calibrating ring equals its critical path) instead of its critical-path
+    bytes -- a tree's serialised transfers are no slower than a ring's concurrent ones there."""
+    overhead: float = 0.0
+    """Seconds per call of one of ours beyond its messages (argument checks, views, scratch buffers):
+    the part of our ring all-reduce's fitted latency that its 2(N-1) alphas do not explain."""
 
     def predict(self, collective: str, algorithm: str, nbytes: float, node_size: int | None = None,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> float:
@@ -145,7 +194,10 @@ class CostModel:
             return a + b * nbytes
         c = cost(collective, algorithm, nbytes, self.world_size, node_size, chunk_bytes)
         k_lat, k_bytes = self.efficiency if algorithm != "native" else (1.0, 1.0)
-        return k_lat * c.steps * self.alpha + k_bytes * (c.bytes * self.beta + c.reduced * self.gamma)
+        fixed = self.overhead if algorithm != "native" else 0.0
+        moved = c.total / self.world_size if self.shared_host and c.total else c.bytes
+        return (fixed + k_lat * c.steps * self.alpha + k_bytes * (moved * self.beta + c.reduced * self.gamma)
+                + c.copied * self.delta)
 
     def choose(self, collective: str, nbytes: float, candidates: tuple[str, ...] | None = None,
                node_size: int | None = None) -> str:
@@ -188,54 +240,115 @@ def _agree(group, values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def calibration_sizes(small: int, large: int) -> list[int]:
+    """The message sizes calibration measures: ``small``, then powers of 4 from 64 KiB up to ``large``."""
+    sizes, b = [small], 64 << 10
+    while b < large:
+        if b > small:
+            sizes.append(b)
+        b *= 4
+    return sizes + [large] if large > small else sizes
+
+
+def fit_line(xs: list[float], ts: list[float]) -> tuple[float, float]:
+    """``(a, b)`` of ``t = a + b x`` by least squares on *relative* residuals ((a + b x - t) / t),
+    so that microsecond latencies and 100-ms transfers weigh alike; both kept >= 0."""
+    w = [1.0 / max(t, 1e-12) for t in ts]
+    # normal equations of min sum (a w + b x w - 1)^2
+    s11 = sum(wi * wi for wi in w)
+    s12 = sum(wi * wi * x for wi, x in zip(w, xs, strict=True))
+    s22 = sum((wi * x) ** 2 for wi, x in zip(w, xs, strict=True))
+    r1 = sum(w)
+    r2 = sum(wi * x for wi, x in zip(w, xs, strict=True))
+    det = s11 * s22 - s12 * s12
+    a, b = ((r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det) if det > 0 else (0.0, 0.0)
+    if b < 0 or det <= 0:  # flat: a constant (the mean in the relative sense)
+        return r1 / s11, 0.0
+    if a < 0:  # through the origin
+        return 0.0, r2 / s22
+    return a, b
+
+
+def relative_errors(predicted: list[float], measured: list[float]) -> list[float]:
+    """``predicted / measured - 1`` per point (what ``shardwise bench comm`` reports as the prediction error)."""
+    return [p / max(m, 1e-12) - 1 for p, m in zip(predicted, measured, strict=True)]
+
+
 def calibrate(group: dist.ProcessGroup | None = None, small: int = 8, large: int = 4 << 20, reps: int = 5,
               collectives: tuple[str, ...] = ("all_reduce",)) -> CostModel:
     """Measure alpha, beta and gamma on ``group`` (collective: every rank calls it).
 
-    alpha and beta come from a ring shift (every rank sends to its successor and receives
-    from its predecessor) of ``small`` and ``large`` bytes; gamma from adding two ``large``-byte
-    fp32 vectors; our ring all-reduce at both sizes gives the model's ``efficiency`` factors;
-    the native collectives are timed at both sizes too (a latency + per-byte line each). Best
-    of ``reps`` runs, then the maximum over ranks (so every rank holds the same model).
+    Every quantity is measured at several sizes (:func:`calibration_sizes`, ``small`` .. ``large``)
+    and fitted by least squares on relative error (:func:`fit_line`), rather than read off two
+    points: alpha and beta from a ring shift (every rank sends to its successor while receiving
+    from its predecessor); gamma from adding two vectors in place (the reduction, separate from the
+    transfer); delta from copying into a freshly allocated buffer (the memory-copy cost). Then our
+    pipelined ring all-reduce is timed at the same sizes and its latency and per-byte parts fitted
+    against the model's ``2(N-1) alpha`` and ``bytes beta + reduced gamma``: a latency beyond the
+    alphas is a per-call ``overhead``, and the ratios are the model's ``efficiency`` (what the ideal
+    formulas miss of our implementation, applied to every algorithm of ours). The native
+    collectives get a fitted latency + per-byte line each. ``margin`` is set from the worst
+    relative error of these fits. Best of ``reps`` runs per point, then the maximum over ranks (so
+    every rank holds the same model and makes the same choices). The fit is linear, so sizes beyond
+    ``large`` are extrapolated: pass the largest size you care about as ``large``
+    (``shardwise bench comm`` does).
     """
+    from .allreduce import all_reduce
+
     n = dist.get_world_size(group)
     if n == 1:
         return CostModel(0.0, 0.0, 0.0, 1)
     c = make_comm(group, "calibrate", chunk_bytes=1 << 62)
     right, left = (c.me + 1) % n, (c.me - 1) % n
-    sa, ra = torch.zeros(max(small // 4, 1)), torch.zeros(max(small // 4, 1))
-    sb, rb = torch.zeros(large // 4), torch.zeros(large // 4)
-    t_small = _time(lambda: exchange(c, sa, right, ra, left), reps * 4)
-    t_large = _time(lambda: exchange(c, sb, right, rb, left), reps)
-    t_add = _time(lambda: rb.add_(sb), reps)
-    values = [t_small, max(t_large - t_small, 1e-12) / (large - small), t_add / large]
-    from .allreduce import all_reduce
-
-    ring = []
-    for v in (ra, rb):
-        ring.append(_time(lambda v=v: all_reduce(v, group=group, algorithm="ring"), reps))
+    sizes = calibration_sizes(small, large)
+    big_a, big_b = torch.zeros(max(large // 4, 1)), torch.zeros(max(large // 4, 1))
+    shift, add, ring, copy = [], [], [], []
+    for b in sizes:
+        sa, sb = big_a[:max(b // 4, 1)], big_b[:max(b // 4, 1)]
+        shift.append(_time(lambda sa=sa, sb=sb: exchange(c, sa, right, sb, left), reps * (4 if b < 65536 else 1)))
+        add.append(_time(lambda sa=sa, sb=sb: sb.add_(sa), reps))
+        copy.append(_time(lambda sa=sa: torch.empty_like(sa).copy_(sa), reps))
+        ring.append(_time(lambda sb=sb: all_reduce(sb, group=group, algorithm="ring", verify=False), reps))
     natives = []
     for coll in collectives:
-        natives += _native_line(coll, group, n, small, large, reps)
-    values = _agree(group, values + ring + natives)
-    model = CostModel(values[0], values[1], values[2], n)
-    ideal_small, ideal_large = (cost("all_reduce", "ring", s, n) for s in (small, large))
-    k_lat = values[3] / max(ideal_small.steps * model.alpha, 1e-12)
-    byte_part = ideal_large.bytes * model.beta + ideal_large.reduced * model.gamma
-    k_bytes = (values[4] - k_lat * ideal_large.steps * model.alpha) / max(byte_part, 1e-12)
-    model.efficiency = (max(k_lat, 1.0), max(k_bytes, 1.0))
+        natives += [_time(run_collective_native(coll, b, group, n), reps) for b in sizes]
+    k = len(sizes)
+    values = _agree(group, shift + add + ring + natives + copy)
+    shift, add, ring, copy = values[:k], values[k:2 * k], values[2 * k:3 * k], values[-k:]
+    alpha, beta = fit_line([float(b) for b in sizes], shift)
+    _, gamma = fit_line([float(b) for b in sizes], add)
+    model = CostModel(max(alpha, 1e-9), max(beta, 1e-15), max(gamma, 1e-15), n)
+    hosts: list = [None] * n
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    model.shared_host = len(set(hosts)) == 1
+    model.delta = fit_line([float(b) for b in sizes], copy)[1]
+    ideal = [cost("all_reduce", "ring", b, n) for b in sizes]
+    lat = ideal[0].steps * model.alpha
+    per_byte = (ideal[-1].bytes * model.beta + ideal[-1].reduced * model.gamma) / sizes[-1]
+    xs = [float(b) for b in sizes]
+    a, slope = fit_line(xs, ring)
+    if a >= lat:  # slower than its alphas: a per-call overhead on top of them
+        model.efficiency, model.overhead = (1.0, max(slope / per_byte, 0.1)), a - lat
+    else:  # faster (steps overlap): a latency efficiency below one
+        model.efficiency = (max(a / lat, 0.1), max(slope / per_byte, 0.1))
+    worst = _worst_error(model, "all_reduce", "ring", sizes, ring)
     for i, coll in enumerate(collectives):
-        a_small, a_large = values[5 + 2 * i], values[6 + 2 * i]
-        slope = max(a_large - a_small, 0.0) / (large - small)
-        model.native[coll] = (max(a_small - slope * small, 0.0), slope)
+        times = values[(3 + i) * k:(4 + i) * k]
+        model.native[coll] = fit_line(xs, times)
+        worst = max(worst, _worst_error(model, coll, "native", sizes, times))
+    # switch from native only when the predicted gain beats what the fits got wrong on this group
+    model.margin = min(model.margin, 1.0 / (1.0 + worst) ** 2)
     return model
 
 
-def _native_line(collective: str, group, n: int, small: int, large: int, reps: int) -> list[float]:
-    """Median seconds of the native ``collective`` at ``small`` and ``large`` bytes."""
+def _worst_error(model: CostModel, collective: str, algorithm: str, sizes: list[int], times: list[float]) -> float:
+    """The largest relative error of ``model``'s predictions at the measured calibration points."""
+    pred = [model.predict(collective, algorithm, b) for b in sizes]
+    return max(abs(e) for e in relative_errors(pred, times))
+
+
+def run_collective_native(collective: str, nbytes: int, group, n: int):
+    """A closure running the backend's own ``collective`` on ``nbytes`` (see :func:`.bench.run_collective`)."""
     from .bench import run_collective
 
-    out = []
-    for nbytes in (small, large):
-        out.append(_time(run_collective(collective, "native", nbytes, group, n), reps))
-    return out
+    return run_collective(collective, "native", nbytes, group, n)
