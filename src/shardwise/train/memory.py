@@ -40,11 +40,7 @@ def model_state_bytes(engine, optimizer) -> dict[str, int]:
 
     out = dict.fromkeys(CATEGORIES, 0)
     if isinstance(engine, ZeroDataParallel):
-        for u in engine.units:
-            elt = u.full.element_size()
-            out["params"] += (u.shard_numel if engine.stage == 3 else u.padded_numel) * elt
-            out["grads"] += (u.padded_numel if engine.stage == 1 else u.shard_numel) * elt
-        out["master"] = engine.masters.nbytes()
+        out.update(engine.model_state_bytes())  # padded flat buffers, plus hpZ's secondary copies
     else:
         params = [p for p in engine.module.parameters() if p.requires_grad]
         params = list({id(p): p for p in params}.values())

@@ -12,15 +12,15 @@ Models" (SC'20):
 * **stage 2** (P_os+g, §5.2): gradients are sharded too. Parameters are grouped into buckets
   (units) in reverse registration order; as soon as every gradient of a unit has been
   accumulated (a post-accumulate-grad hook, as in :mod:`shardwise.parallel.data`), the unit's
-  gradients are reduce-scattered asynchronously and the full-size gradients are freed, while
-  backward goes on.
+  gradients are reduce-scattered (asynchronously on GPUs, while backward goes on; see
+  ``overlap_reduce``) and the full-size gradients are freed (:mod:`.reduce`).
 * **stage 3** (P_os+g+p, §5.3, and the FSDP design of Zhao et al. 2023, "PyTorch FSDP", §3):
   parameters live only as slices. Units are transformer blocks (``unit_blocks`` per unit) plus
   a *root* unit holding everything else (embeddings, final norm, head). A unit's parameters
   are all-gathered before its forward, freed after it, gathered again when the gradient of its
-  output arrives (a tensor hook: the "pre-backward" hook), and freed after its gradients are
-  reduce-scattered. The next unit's gather is launched asynchronously (prefetch) so it
-  overlaps the current unit's compute, in forward and in backward.
+  output arrives (a tensor hook: the "pre-backward" hook), and freed as soon as its gradients
+  are complete, before they are reduce-scattered (as FSDP2). The next unit's gather is launched
+  asynchronously (prefetch) so it overlaps the current unit's compute, in forward and in backward.
 
 Gradient accumulation: inside ``no_sync()`` backward accumulates full-size ``.grad`` locally
 and nothing is communicated (like torch DDP's ``no_sync`` and FSDP2's
@@ -34,9 +34,14 @@ weights are *views* of the rank's slice of them (no second copy). With ``param_d
 bf16) the flat buffers, gradients and communication are in that dtype and separate fp32 master
 pieces hold the truth — the paper's mixed-precision layout (2 + 2 + K bytes per parameter).
 
-Not supported: parameters that receive no gradient on any rank are treated as zero gradients
-(weight decay and moments still update them, unlike an unsharded run where they are skipped);
-reentrant activation checkpointing.
+Parameters without a gradient: as in torch DDP with ``find_unused_parameters`` (and
+:mod:`shardwise.parallel.data`), a parameter with no gradient on some ranks contributes zeros
+there; one that received no gradient on *any* rank in the step is skipped by the optimizer (its
+master pieces get ``.grad = None``), so AdamW neither decays it nor moves its moments, exactly as
+the unsharded run. Each rank records which parameters got a gradient (the post-accumulate hook)
+and the flags are all-reduced (MAX) once per step, at the end of backward.
+
+Not supported: reentrant activation checkpointing.
 """
 
 from __future__ import annotations
@@ -51,8 +56,9 @@ from torch import nn
 
 from shardwise.parallel.data import _assign_buckets
 from shardwise.parallel.zero.flat import FlatUnit
+from shardwise.parallel.zero.hpz import NodePartition, node_groups
 from shardwise.parallel.zero.offload import MasterStore
-from shardwise.parallel.zero.quant import reduce_scatter_int8
+from shardwise.parallel.zero.reduce import GradReduction
 from shardwise.parallel.zero.stage3 import Stage3Hooks
 
 
@@ -68,7 +74,7 @@ def _weak(engine: ZeroDataParallel, method: str) -> Callable:
     return call
 
 
-class ZeroDataParallel(Stage3Hooks, nn.Module):
+class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
     """Shard ``module``'s training state over ``group`` with ZeRO stage ``stage`` (1, 2 or 3).
 
     Use with :class:`shardwise.parallel.zero.ZeroOptimizer`, which steps the rank's master
@@ -89,15 +95,32 @@ class ZeroDataParallel(Stage3Hooks, nn.Module):
             (master pieces and moments in memory-mapped files under ``offload_dir``).
         quant_weights: stage 3: all-gather parameters as int8 blocks (ZeRO++ qwZ, :mod:`.quant`).
         quant_grads: reduce-scatter gradients as int8 blocks via all-to-all (ZeRO++ qgZ).
+        hpz_size: stage 3: keep a secondary partition of each unit's gathered parameters over
+            subgroups of ``hpz_size`` consecutive ranks, so backward gathers stay inside a node
+            (ZeRO++ hpZ, :mod:`.hpz`); 1 = off.
+        hpz_group: this rank's node subgroup for ``hpz_size`` (default: built here, which needs
+            ``group`` to span the world).
+        node_size: ranks per node for the intra/inter-node split of ``gather_traffic``
+            (default ``hpz_size``).
+        overlap_reduce: let each reduce-scatter run while backward goes on (default: on CUDA,
+            and for stage 1, which reduces in place). Stages 2/3 on CPU wait at once: gloo's
+            worker threads compete with the compute for the same cores, and a unit-sized staging
+            buffer (plus gloo's own copy of it) in flight through the next unit's backward raised
+            ZeRO-3's peak memory above ``fully_shard``'s (which waits too on CPU), while waiting
+            cost no time there (bench/bench_zero.py).
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, stage: int = 1, *,
                  bucket_mb: float = 25.0, unit_modules: list[nn.Module] | None = None, unit_blocks: int = 1,
                  param_dtype: torch.dtype | None = None, offload: str = "none", offload_dir: str | None = None,
-                 quant_weights: bool = False, quant_grads: bool = False, broadcast_from: int = 0):
+                 quant_weights: bool = False, quant_grads: bool = False, broadcast_from: int = 0,
+                 hpz_size: int = 1, hpz_group: dist.ProcessGroup | None = None, node_size: int | None = None,
+                 overlap_reduce: bool | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage={stage}: ZeroDataParallel implements stages 1, 2 and 3")
+        if hpz_size != 1 and stage != 3:
+            raise ValueError(f"hpz_size={hpz_size} partitions ZeRO-3's parameters; use stage=3 or hpz_size=1")
         self.module = module
         self.group = group
         self.stage = stage
@@ -106,6 +129,12 @@ class ZeroDataParallel(Stage3Hooks, nn.Module):
         self.rank = dist.get_rank(group)
         self.comm_bytes_last_step = 0
         """Bytes handed to collectives in the last step (reduce-scatter inputs plus gathers)."""
+        if hpz_size > 1 and hpz_group is None:
+            hpz_group = node_groups(group, hpz_size)
+        report = node_size or hpz_size
+        if self.world % report:
+            raise ValueError(f"node_size={report} must divide the data-parallel size {self.world}")
+        self.hpz = NodePartition(hpz_group if hpz_size > 1 else None, report, self.world)
         self._sync = True
         src = dist.get_global_rank(group, broadcast_from) if group is not None else broadcast_from
         named: list[tuple[str, nn.Parameter]] = []
@@ -146,6 +175,14 @@ class ZeroDataParallel(Stage3Hooks, nn.Module):
                 self._hooks.append(last.register_forward_hook(_weak(self, "_unit_post_forward_hook")))
                 self._module_unit[(id(first), "pre")] = u
                 self._module_unit[(id(last), "post")] = u
+        self._had_grad = bytearray(sum(len(u.params) for u in self.units))
+        """Per parameter (units in order): did it receive a gradient this step on this rank."""
+        if overlap_reduce is None:
+            overlap_reduce = self.units[0].shard.is_cuda or stage == 1
+        self.overlap_reduce = overlap_reduce
+        self._flag_index = {id(p): i for i, p in enumerate(p for u in self.units for p in u.params)}
+        # reduce-scatter order: buckets as built (reverse registration), ZeRO-3 units last block first
+        self._order = list(reversed(self.units)) if stage == 3 else list(self.units)
         self._reset()
 
     def _unit_groups(self, named, stage, bucket_mb, unit_modules, unit_blocks):
@@ -187,105 +224,6 @@ class ZeroDataParallel(Stage3Hooks, nn.Module):
             self._reset()
         return self.module(*args, **kwargs)
 
-    def _reset(self) -> None:
-        self._in_backward = False
-        self._inflight: list[tuple[FlatUnit, torch.Tensor, torch.Tensor, dist.Work | None]] = []
-        for u in self.units:
-            u.pending = len(u.params)
-            u.reduced = False
-
-    def _start_backward(self) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
-    @torch.no_grad()
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
-        self._start_backward()
-        unit = self._unit_of[id(param)]
-        unit.pending -= 1
-        if unit.pending == 0:
-            if self._sync and self.stage == 1:  # overlapped with the rest of backward, in place
-                self._stage1_flatten(unit)
-                self._launch(unit, unit.grad_full)
-            elif self._sync:
-                self._reduce_scatter(unit)
-            if unit.index > 0 or self.stage < 3:
-                self._free(unit)
-
-    def _reduce_scatter(self, unit: FlatUnit) -> None:
-        """Stages 2/3: launch the reduce-scatter of one unit's gradients and free the full-size ones."""
-        flat = unit.flat_grad(self.world)
-        for p in unit.params:
-            p.grad = None
-        self._launch(unit, flat)
-
-    def _launch(self, unit: FlatUnit, flat: torch.Tensor) -> None:
-        """Reduce-scatter ``flat`` (a unit's divided gradients). Stage 1 reduces in place: the
-        output is the rank's own slice of the input (NCCL's documented in-place form; gloo
-        computes the same, which the equivalence tests check), so no extra gradient shard exists."""
-        unit.reduced = True
-        if self.world == 1:
-            self._inflight.append((unit, flat, flat, None))
-            return
-        if self.stage == 1:
-            out = unit.own_slice(flat)
-        else:
-            out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
-        if self.quant_grads:
-            work, nbytes = reduce_scatter_int8(out, flat, self.group)
-            self.comm_bytes_last_step += nbytes
-        else:
-            work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            self.comm_bytes_last_step += flat.numel() * flat.element_size()
-        self._inflight.append((unit, flat, out, work))
-        if self.stage > 1:  # bound the staging buffers alive at once (each holds a whole unit)
-            self._drain(keep=1)
-
-    @torch.no_grad()
-    def _finish_backward(self) -> None:
-        """End-of-backward callback: reduce what is left, wait, hand each master piece its gradient."""
-        try:
-            if self._sync:
-                for u in self.units:
-                    if u.reduced:
-                        continue
-                    if self.stage == 1:
-                        self._stage1_flatten(u)
-                        self._launch(u, u.grad_full)
-                    else:
-                        self._reduce_scatter(u)
-                self._drain(keep=0)
-                self.masters.set_grads(self.units)
-            if self.stage == 3:
-                for u in self.units:
-                    self._free(u)
-        finally:
-            self._reset()
-
-    def _drain(self, keep: int) -> None:
-        """Wait for the oldest reduce-scatters until at most ``keep`` are in flight; add each result
-        into its unit's gradient shard and release the staging buffer."""
-        while len(self._inflight) > keep:
-            u, _flat, out, work = self._inflight.pop(0)
-            if work is not None:
-                work.wait()
-            if self.stage == 1 or u.grad_shard is None:
-                u.grad_shard = out
-            else:
-                u.grad_shard += out
-
-    def _stage1_flatten(self, u: FlatUnit) -> None:
-        """Stage 1: make each ``.grad`` a view of the unit's persistent flat gradient, divided by N."""
-        for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
-            view = u.grad_full[off:off + n].view(p.shape)
-            if p.grad is None:
-                continue
-            if p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-                p.grad = view
-        u.grad_full.div_(self.world)
-
     # ---- optimizer side ----------------------------------------------------------------------
 
     def _stage1_pre_forward(self, _module, _args) -> None:
@@ -302,6 +240,7 @@ class ZeroDataParallel(Stage3Hooks, nn.Module):
             u.grad_shard = None
             if u.grad_full is not None:
                 u.grad_full.untyped_storage().resize_(0)
+        self._had_grad = bytearray(len(self._had_grad))
         self.masters.zero_grad()
 
     @torch.no_grad()
@@ -325,6 +264,8 @@ class ZeroDataParallel(Stage3Hooks, nn.Module):
     def after_step(self) -> None:
         """Write the updated master pieces into the shards and (stages 1, 2) all-gather the full parameters."""
         self.masters.write_back(self.units)
+        for u in self.units:  # a secondary partition (hpZ) holds the old values
+            self.hpz.drop(u)
         if self.stage == 3 or self.world == 1:
             return
         works = []
@@ -350,3 +291,19 @@ class ZeroDataParallel(Stage3Hooks, nn.Module):
     def pop_comm_bytes(self) -> int:
         n, self.comm_bytes_last_step = self.comm_bytes_last_step, 0
         return n
+
+    def pop_gather_traffic(self) -> dict[str, int]:
+        """Bytes this rank received in parameter gathers since the last call, by phase and by
+        whether they came from its node (``node_size`` ranks) or crossed a node boundary."""
+        return self.hpz.pop_traffic()
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Capacity of this rank's parameter, gradient and master-weight buffers across a step
+        (padded; see :mod:`shardwise.train.memory`). ``params`` includes the hpZ secondary
+        partitions, held from a unit's forward to its backward."""
+        params = grads = 0
+        for u in self.units:
+            elt = u.full.element_size()
+            params += (u.shard_numel if self.stage == 3 else u.padded_numel) * elt
+            grads += (u.padded_numel if self.stage == 1 else u.shard_numel) * elt
+        return {"params": params + self.hpz.nbytes(self.units), "grads": grads, "master": self.masters.nbytes()}

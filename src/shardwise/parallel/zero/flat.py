@@ -86,6 +86,12 @@ class FlatUnit:
                 p.data = self.full[off:off + n].view(p.shape)
         self.gathered = True
         self.gather_work = None
+        self.after_gather = None
+        """ZeRO-3: what to do once the pending gather completes (e.g. keep a secondary partition)."""
+        self.secondary: torch.Tensor | None = None
+        self.had_grad = [True] * len(params)
+        """Per parameter: did any rank produce a gradient in the last step (set by the engine)."""
+        """ZeRO++ hpZ: this rank's node slice of the gathered buffer, from forward to backward."""
         if sharded:
             self.free_full()
 

@@ -48,8 +48,9 @@ def full_model_state(engine: ZeroDataParallel) -> dict[str, torch.Tensor]:
     masters = _master_of(engine)
     by_param: dict[int, torch.Tensor] = {}
     for u in engine.units:
-        values = {pc.param_index: masters[(u.index, pc.param_index)] for pc in u.pieces}
-        full = _gather_flat(engine, u, values).cpu()
+        with engine.masters.resident(u):
+            values = {pc.param_index: masters[(u.index, pc.param_index)] for pc in u.pieces}
+            full = _gather_flat(engine, u, values).cpu()
         for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
             by_param[id(p)] = full[off:off + n].view(p.shape).to(p.dtype).clone()
     out = {}
@@ -76,12 +77,14 @@ def load_full_model_state(engine: ZeroDataParallel, state: dict[str, torch.Tenso
             flat[off:off + n].copy_(state[name_of[id(p)]].reshape(-1))
         own = u.own_slice(flat).to(u.shard.device)
         u.shard.copy_(own)
+        engine.hpz.drop(u)
         if engine.stage < 3 or u.gathered:
             u.full.copy_(flat.to(u.full.device))
-        for pc in u.pieces:
-            m = masters[(u.index, pc.param_index)]
-            if engine.masters.separate:
-                m.copy_(own[pc.shard_offset:pc.shard_offset + pc.numel])
+        with engine.masters.resident(u, write=True):
+            for pc in u.pieces:
+                m = masters[(u.index, pc.param_index)]
+                if engine.masters.separate:
+                    m.copy_(own[pc.shard_offset:pc.shard_offset + pc.numel])
     params = {id(p) for u in engine.units for p in u.params}
     for name, t in live.items():
         if id(t) not in params:
@@ -113,18 +116,6 @@ class ZeroOptimizer:
                   for g, ps in zip(reference.param_groups, pieces, strict=True)]
         accepted = inspect.signature(type(reference)).parameters
         self.inner = type(reference)(groups, **{k: v for k, v in reference.defaults.items() if k in accepted})
-        if engine.masters.offload == "disk":
-            self._map_state_to_disk()
-
-    def _map_state_to_disk(self) -> None:
-        """Pre-create the moments in memory-mapped files (the optimizer then updates them in place)."""
-        for ref_i, u, pc, m in self._entries:
-            self.inner.state[m] = {
-                "step": torch.tensor(0.0),
-                "exp_avg": self.engine.masters.mapped(f"exp_avg_u{u.index}_p{pc.param_index}_{ref_i}", m.numel()),
-                "exp_avg_sq": self.engine.masters.mapped(f"exp_avg_sq_u{u.index}_p{pc.param_index}_{ref_i}",
-                                                         m.numel()),
-            }
 
     @property
     def param_groups(self):
@@ -134,14 +125,39 @@ class ZeroOptimizer:
         return self.engine.masters.params()
 
     def step(self) -> None:
-        self.inner.step()
+        if self.engine.masters.disk is not None:
+            self._streamed_step()
+        else:
+            self.inner.step()
         self.engine.after_step()
+
+    def _streamed_step(self) -> None:
+        """Disk offload (ZeRO-Infinity §5): step one unit at a time — stream its master pieces and
+        optimizer states in, let the reference algorithm update them, write them back — so only
+        one unit's optimizer state is in memory at once."""
+        everything = [g["params"] for g in self.inner.param_groups]
+        try:
+            for u in self.engine.units:
+                mine = {id(m) for _, uu, _, m in self._entries if uu is u}
+                if not mine:
+                    continue
+                with self.engine.masters.resident(u, self.inner.state, write=True):
+                    for g, params in zip(self.inner.param_groups, everything, strict=True):
+                        g["params"] = [p for p in params if id(p) in mine]
+                    self.inner.step()
+        finally:
+            for g, params in zip(self.inner.param_groups, everything, strict=True):
+                g["params"] = params
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state tensors with one element per parameter element (Adam's moments)."""
+        """Bytes of optimizer state tensors with one element per parameter element (Adam's moments);
+        with disk offload, the bytes of their files."""
+        if self.engine.masters.disk is not None:
+            return sum(pc.numel * 4 * len(self.engine.masters.disk.state_kinds[u.index])
+                       for _, u, pc, _ in self._entries)
         return sum(v.numel() * v.element_size() for m in self.master_params()
                    for v in self.inner.state.get(m, {}).values()
                    if isinstance(v, torch.Tensor) and v.numel() == m.numel() and v.dim() > 0)
@@ -168,14 +184,15 @@ class ZeroOptimizer:
         step, has_state = flags[0].cpu(), flags[1].cpu()
         state: dict[int, dict] = {}
         if has_state.item() > 0:
-            for key in ("exp_avg", "exp_avg_sq"):
-                for u in engine.units:
-                    values = {pc.param_index: self.inner.state[m][key] for _, uu, pc, m in self._entries
-                              if uu is u and m in self.inner.state}
-                    full = _gather_flat(engine, u, values).cpu()
-                    for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
-                        st = state.setdefault(self._ref_index[id(p)], {"step": torch.tensor(float(step))})
-                        st[key] = full[off:off + n].view(p.shape).clone()
+            for u in engine.units:
+                with engine.masters.resident(u, self.inner.state):
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        values = {pc.param_index: self.inner.state[m][key] for _, uu, pc, m in self._entries
+                                  if uu is u and m in self.inner.state}
+                        full = _gather_flat(engine, u, values).cpu()
+                        for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
+                            st = state.setdefault(self._ref_index[id(p)], {"step": torch.tensor(float(step))})
+                            st[key] = full[off:off + n].view(p.shape).clone()
         groups = []
         for gi, g in enumerate(self.inner.param_groups):
             groups.append({**{k: v for k, v in g.items() if k != "params"},
@@ -190,19 +207,16 @@ class ZeroOptimizer:
                 if k != "params":
                     g[k] = v
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
-        for ref_i, _u, pc, m in self._entries:
-            if ref_i not in saved_state:
-                continue
-            new = {}
-            for k, v in saved_state[ref_i].items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    v = v.reshape(-1)[pc.start:pc.stop].to(m.device, torch.float32)
-                elif isinstance(v, torch.Tensor):
-                    v = v.clone().cpu() if m.device.type == "cpu" else v.clone()
-                new[k] = v
-            live = self.inner.state.get(m)
-            if live and self.engine.masters.offload == "disk":
-                for k, v in new.items():
-                    live[k].copy_(v)
-            else:
-                self.inner.state[m] = new
+        for u in self.engine.units:  # with disk offload, each unit's state goes straight to its files
+            with self.engine.masters.resident(u, self.inner.state, write=True):
+                for ref_i, uu, pc, m in self._entries:
+                    if uu is not u or ref_i not in saved_state:
+                        continue
+                    new = {}
+                    for k, v in saved_state[ref_i].items():
+                        if isinstance(v, torch.Tensor) and v.dim() > 0:
+                            v = v.reshape(-1)[pc.start:pc.stop].to(m.device, torch.float32)
+                        elif isinstance(v, torch.Tensor):
+                            v = v.clone().cpu() if m.device.type == "cpu" else v.clone()
+                        new[k] = v
+                    self.inner.state[m] = new

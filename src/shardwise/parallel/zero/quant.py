@@ -50,6 +50,9 @@ class _Pending:
             w.wait()
         self.finish()
 
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
 
 def all_gather_int8(full: torch.Tensor, shard: torch.Tensor, group) -> tuple[_Pending, int]:
     """qwZ: gather ``shard`` from every rank into ``full`` through int8 blocks. Returns a handle

@@ -4,9 +4,12 @@ Rajbhandari et al. 2020, "ZeRO", §5.3 (P_os+g+p) and Zhao et al. 2023, "PyTorch
 on Scaling Fully Sharded Data Parallel" (VLDB 16(12)), §3.3-3.4: a unit's parameters are
 all-gathered just before its forward, freed right after it, gathered again when the gradient of
 its output arrives (a tensor hook on the output, the "pre-backward" hook) and freed once its
-gradients are reduce-scattered (in :mod:`.engine`). While unit *i* computes, the gather of the
+gradients are reduce-scattered (in :mod:`.reduce`). While unit *i* computes, the gather of the
 next unit (*i*+1 in forward, *i*-1 in backward) is already in flight (prefetch). The root unit
 (embeddings, final norm, head) stays gathered from forward to the end of backward.
+
+With hierarchical partitioning (ZeRO++ hpZ, :mod:`.hpz`) the forward gather also leaves a
+secondary, node-sharded copy, and the backward gather runs inside the node from it.
 
 A mixin of :class:`shardwise.parallel.zero.ZeroDataParallel`, kept apart because it is the one
 piece only stage 3 needs.
@@ -27,29 +30,47 @@ class Stage3Hooks:
     """Gather / free / prefetch for the units of a ZeRO-3 engine (``self.units[0]`` is the root)."""
 
     def _gather(self, unit: FlatUnit, wait: bool = True) -> None:
+        """Make ``unit.full`` hold the unit's parameters (launch the gather; wait unless ``wait=False``).
+
+        In backward, a unit with a secondary partition (hpZ) is gathered inside the node from it;
+        otherwise over the whole group, and a forward gather that backward will repeat keeps a
+        secondary partition once it completes."""
         if not unit.gathered and unit.gather_work is None:
             unit.alloc_full()
             if self.world == 1:
                 unit.full.copy_(unit.shard)
                 unit.gathered = True
                 return
-            if self.quant_weights:
-                unit.gather_work, nbytes = all_gather_int8(unit.full, unit.shard, self.group)
-                self.comm_bytes_last_step += nbytes
-            else:
-                unit.gather_work = dist.all_gather_single(unit.full, unit.shard, group=self.group, async_op=True)
+            phase = "backward" if self._in_backward else "forward"
+            if phase == "backward" and unit.secondary is not None:
+                unit.gather_work = self.hpz.gather(unit)
+                unit.after_gather = self.hpz.drop
                 self.comm_bytes_last_step += unit.param_bytes_full()
+            else:
+                if self.quant_weights:
+                    unit.gather_work, nbytes = all_gather_int8(unit.full, unit.shard, self.group)
+                else:
+                    unit.gather_work = dist.all_gather_single(unit.full, unit.shard, group=self.group, async_op=True)
+                    nbytes = unit.param_bytes_full()
+                self.comm_bytes_last_step += nbytes
+                self.hpz.count(unit, phase, within_node=False, nbytes=nbytes)
+                keep = self.hpz.enabled and phase == "forward" and unit.index > 0 and torch.is_grad_enabled()
+                unit.after_gather = self.hpz.keep if keep else None
         if wait and unit.gather_work is not None:
-            unit.gather_work.wait()
-            unit.gather_work = None
-            unit.gathered = True
+            self._finish_gather(unit)
+
+    def _finish_gather(self, unit: FlatUnit) -> None:
+        unit.gather_work.wait()
+        unit.gather_work = None
+        unit.gathered = True
+        if unit.after_gather is not None:
+            unit.after_gather(unit)
+            unit.after_gather = None
 
     def _free(self, unit: FlatUnit) -> None:
         if self.stage == 3:
             if unit.gather_work is not None:
-                unit.gather_work.wait()
-                unit.gather_work = None
-                unit.gathered = True
+                self._finish_gather(unit)
             unit.free_full()
 
     def _root_pre_forward(self, _module, _args) -> None:
