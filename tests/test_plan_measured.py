@@ -1,7 +1,10 @@
 """Predicted beside measured on CPU: activation bytes (the tensors autograd saves for backward)
-and model-state bytes of the layouts the trainer runs today (data parallel, fp32 states)."""
+and model-state bytes of the layouts the trainer runs today (data parallel and ZeRO-1/2/3 on 2
+and 4 gloo ranks, fp32 states), to the byte."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,3 +62,108 @@ def test_model_state_bytes_equal_the_trainers_tensors():
                 if k in ("exp_avg", "exp_avg_sq"))
     mem = memory_breakdown(model_spec(cfg), Layout(), 64, STATE_CONVENTIONS["shardwise"]).by_metric()
     assert (mem["mem_params_bytes"], mem["mem_grads_bytes"], mem["mem_optimizer_bytes"]) == (weights, grads, optim)
+
+
+# ---- ZeRO: the engine's padded flat units, predicted == measured to the byte ------------------
+
+ODD = {"model.d_model": 6, "model.n_heads": 2, "model.d_ff": 17}
+"""A tiny GPT whose flat units are not multiples of 2 or 4 elements, so padding shows."""
+CASES = [(1, 0.001, 1), (2, 0.001, 1), (3, 25.0, 1), (3, 25.0, 2)]
+"""(ZeRO stage, parallel.bucket_mb, parallel.zero_unit): small buckets make several ZeRO-1/2 units."""
+TRAINED = (1, 2, 3)
+"""Stages also run through the trainer (two steps: --compare leaves out step 1), for ``shardwise plan --compare``;
+its runs use 1 kB buckets, so that ZeRO-1/2's units are padded too."""
+
+
+def _odd_config(run_dir: Path, cache_dir: Path, nproc: int, **overrides) -> Config:
+    from tests.test_train import make_config
+
+    run = {"train.steps": 2, "train.global_batch": 4, "parallel.bucket_mb": 0.001}
+    return make_config(run_dir, cache_dir, nproc, **ODD, **run, **overrides)
+
+
+def _zero_bytes_on_rank(cases, jobs):
+    """Rank body: the accountant's bytes for each case (engine built directly, one AdamW step),
+    then the trainer's runs (rank 0's ``metrics.jsonl`` holds its accountant's bytes)."""
+    import torch.distributed as dist
+
+    from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
+    from shardwise.train.memory import model_state_bytes
+    from shardwise.train.optim import build_optimizer
+    from tests.test_train import _train_on_rank
+
+    measured = []
+    for cfg, (stage, bucket_mb, zero_unit) in zip(jobs[0], cases, strict=True):
+        model = Transformer(cfg.model)
+        engine = ZeroDataParallel(model, stage=stage, bucket_mb=bucket_mb, unit_blocks=zero_unit)
+        opt = ZeroOptimizer(engine, build_optimizer(model, cfg.train))
+        x = torch.randint(0, cfg.model.vocab_size, (2, 16))
+        engine(x, x).backward()
+        opt.step()
+        measured.append(model_state_bytes(engine, opt))
+    for cfg, run_dir in jobs[1]:
+        _train_on_rank(cfg, run_dir)
+    return dist.get_rank(), measured
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """Per world size: (per-rank accountant bytes for CASES, run dirs of the TRAINED stages, a config)."""
+    from tests.harness import run_on_ranks
+
+    tmp = tmp_path_factory.mktemp("plan-zero")
+    out = {}
+    for world in (2, 4):
+        cfgs = [_odd_config(tmp / f"direct{world}", tmp / "cache", world, **{"parallel.zero": st}).resolve(
+            world_size=world, tokenizer_vocab=257) for st, _, _ in CASES]
+        runs = [(_odd_config(tmp / f"z{st}_w{world}", tmp / "cache", world, **{"parallel.zero": st}),
+                 str(tmp / f"z{st}_w{world}")) for st in TRAINED]
+        replies = run_on_ranks(world, _zero_bytes_on_rank, CASES, (cfgs, runs))
+        out[world] = ({rank: measured for rank, measured in replies}, [Path(r) for _, r in runs], cfgs[0])
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_layout_equals_the_engines_units(zero_runs, world):
+    """Every rank's parameter, gradient, master and optimizer bytes, for every case, exactly."""
+    from shardwise.plan.zero_layout import engine_state_bytes, model_params, zero_units
+
+    per_rank, _, cfg = zero_runs[world]
+    params = model_params(model_spec(cfg))
+    b = STATE_CONVENTIONS["shardwise"].bytes()
+    padded = False
+    for i, (stage, bucket_mb, zero_unit) in enumerate(CASES):
+        units = zero_units(params, stage, world, bucket_mb, zero_unit)
+        padded |= units.padding > 0
+        for rank in range(world):
+            got = {k: v for k, v in per_rank[rank][i].items() if k in ("params", "grads", "master", "optimizer")}
+            assert engine_state_bytes(units, b, rank) == got, (stage, bucket_mb, zero_unit, rank)
+    assert padded  # the test model really exercises the padding
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_planner_zero_bytes_equal_the_trainers_metrics(zero_runs, world, capsys):
+    """``shardwise plan --compare`` on ZeRO-1/2/3 runs: predicted model-state bytes and the bytes
+    handed to collectives (padded units; ZeRO-3's root gathered once) == measured."""
+    from shardwise.plan.compare import compare_run, measured_for_run, predicted_for_run
+
+    _, run_dirs, _ = zero_runs[world]
+    for run_dir in run_dirs:
+        cfg = Config.load(run_dir / "config.toml")
+        pred, meas = predicted_for_run(cfg), measured_for_run(run_dir)
+        for key in ("mem_params_bytes", "mem_grads_bytes", "mem_master_bytes", "mem_optimizer_bytes",
+                    "mem_total_bytes", "comm_bytes"):
+            assert pred[key] == meas[key], (run_dir.name, key, pred[key], meas[key])
+        assert compare_run(run_dir, as_json=False) == 0
+        rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line}
+        assert rows["mem_total_bytes"][-1] == "1.000"  # the printed measured/predicted ratio
+
+
+def test_paper_formula_stays_visible():
+    """The unpadded Ψ/N_d of the paper is kept beside the engine's padded bytes."""
+    cfg = Config.load(overrides={"model.preset": "tiny", **{k: str(v) for k, v in ODD.items()}})
+    m = model_spec(cfg)
+    mem = memory_breakdown(m, Layout(dp=4, zero=3), 32, STATE_CONVENTIONS["shardwise"])
+    line = next(x for x in mem.lines if x.name == "mem_params_bytes")
+    assert line.paper_bytes == 4 * (m.vocab_size * 6 + m.max_seq_len * 6 + 12 + 2 * 419) / 4
+    assert line.bytes == 4 * (485 + 105 + 105) > line.paper_bytes and "padded" in line.formula

@@ -179,7 +179,8 @@ def _run(args, overrides: dict[str, str]) -> int:
     states = parse_state_dtypes(args.states)
     precision = cfg.train.precision
     result = search(m, s, cluster, fixed, global_batch, states, precision, args.attention, args.memory_fraction,
-                    top=args.top, bucket_mb=cfg.parallel.bucket_mb)
+                    top=args.top, bucket_mb=cfg.parallel.bucket_mb,
+                    zero_unit=cfg.parallel.zero_unit)
     params = count_params(m)
     fpt = flops_per_token(m, s)
     peak = gpu.peak(precision)

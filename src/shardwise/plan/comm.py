@@ -1,15 +1,19 @@
 """Communication per step: volume for each technique and its time under the alpha-beta model.
 
-Collective costs (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication
-Operations in MPICH", §4; Chan et al. 2007) for p ranks, n bytes, latency α, bandwidth β:
-  ring all-reduce               2(p−1)·α + 2(p−1)/p · n/β
+Collective costs come from the one alpha-beta model of the collective algorithms,
+:func:`shardwise.dist.comm.cost.cost` (Hockney 1994; Thakur, Rabenseifner & Gropp 2005,
+"Optimization of Collective Communication Operations in MPICH", §4; Chan et al. 2007): an
+algorithm's ``Cost(steps, bytes, ..., sent)`` on p ranks takes ``steps·α + bytes/β`` seconds.
+The planner uses the bandwidth-optimal ones, for n bytes:
+  ring all-reduce                  2(p−1)·α + 2(p−1)/p · n/β
   ring all-gather / reduce-scatter (p−1)·α + (p−1)/p · n/β     (n = the full, gathered size)
-  pairwise all-to-all           (p−1)·α + (p−1)/p · n/β        (n = one rank's send buffer)
-  point-to-point                α + n/β
+  pairwise all-to-all              (p−1)·α + (p−1)/p · n/β     (n = one rank's send buffer)
+  point-to-point                   α + n/β                       (here: cost.py has no send/recv)
 On a two-level network a group that spans nodes also gets the hierarchical algorithm
 (reduce-scatter inside the node, all-reduce of n/g across nodes, all-gather inside the node;
-e.g. Jia et al. 2018, "Highly Scalable Deep Learning Training System with Mixed-Precision", §4.2)
-and the cheaper of flat ring and hierarchical is used.
+e.g. Jia et al. 2018, "Highly Scalable Deep Learning Training System with Mixed-Precision", §4.2),
+built here from the same per-algorithm costs with intra- and inter-node α, β, and the cheaper of
+flat ring and hierarchical is used.
 
 Volumes per technique (per rank and step, ``payload`` = bytes handed to the collective, the
 trainer's ``comm_bytes``): data parallel all-reduces the gradients once per step; ZeRO-1/2
@@ -28,9 +32,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.dist.comm.cost import Cost, cost
 from shardwise.plan.hardware import Cluster
 from shardwise.plan.memory import StateDtypes, params_per_rank
 from shardwise.plan.spec import Layout, ModelSpec
+from shardwise.plan.zero_layout import ZeroUnits
 
 AXIS_STRIDE_ORDER = ("tp", "cp", "dp", "pp")
 """Rank order of shardwise's mesh (shardwise.dist.mesh): tp innermost, then cp, dp, pp."""
@@ -55,23 +61,34 @@ class CommItem:
 
     @property
     def sent_bytes(self) -> float:
-        """Bytes one rank sends for all calls."""
-        p = self.group
-        factor = {"all-reduce": 2 * (p - 1) / p, "all-gather": (p - 1) / p, "reduce-scatter": (p - 1) / p,
-                  "all-to-all": (p - 1) / p, "send/recv": 1.0}[self.collective]
-        return self.payload * factor * self.calls
+        """Bytes one rank sends for all calls (``Cost.sent`` of the algorithm)."""
+        return collective_cost(self.collective, self.group, self.payload).sent * self.calls
+
+
+ALGORITHM = {"all-reduce": ("all_reduce", "ring"), "all-gather": ("all_gather", "ring"),
+             "reduce-scatter": ("reduce_scatter", "ring"), "all-to-all": ("all_to_all", "pairwise")}
+"""The planner's collectives -> (collective, algorithm) of :func:`shardwise.dist.comm.cost.cost`."""
+
+
+def collective_cost(collective: str, p: int, n: float) -> Cost:
+    """Steps, bytes on the critical path and bytes sent per rank of one call on ``p`` ranks.
+
+    Point-to-point (``"send/recv"``: one message of n bytes, Hockney 1994) is the one the
+    collective cost model lacks, so it is written here."""
+    if collective == "send/recv":
+        return Cost(1, n, 0.0, n) if p > 1 and n > 0 else Cost(0, 0, 0, 0)
+    if collective not in ALGORITHM:
+        raise ValueError(f"no cost formula for {collective!r}; use one of {', '.join(ALGORITHM)} or send/recv")
+    name, algorithm = ALGORITHM[collective]
+    return cost(name, algorithm, n, p)
 
 
 def _flat(collective: str, p: int, n: float, alpha: float, beta: float) -> float:
+    """Seconds of one call on a flat network of latency ``alpha`` and bandwidth ``beta`` (bytes/s)."""
     if p <= 1 or n <= 0:
         return 0.0
-    if collective == "all-reduce":
-        return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n / beta
-    if collective in ("all-gather", "reduce-scatter", "all-to-all"):
-        return (p - 1) * alpha + (p - 1) / p * n / beta
-    if collective == "send/recv":
-        return alpha + n / beta
-    raise ValueError(collective)
+    c = collective_cost(collective, p, n)
+    return c.steps * alpha + c.bytes / beta
 
 
 def collective_time(collective: str, p: int, n: float, stride: int, cluster: Cluster) -> float:
@@ -107,8 +124,14 @@ def strides(lay: Layout) -> dict[str, int]:
 
 
 def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: Cluster,
-               act_bytes: int = 2) -> list[CommItem]:
-    """Every collective of one step on the busiest rank, with its volume and time."""
+               act_bytes: int = 2, units: ZeroUnits | None = None) -> list[CommItem]:
+    """Every collective of one step on the busiest rank, with its volume and time.
+
+    With ``units`` (the ZeRO engine's flat units, :func:`shardwise.plan.memory.exact_zero_units`)
+    the ZeRO payloads are the engine's: padded units; ZeRO-3's root unit gathered once per
+    micro-batch (it stays gathered from forward to the end of backward), the blocks twice; and
+    gradients reduce-scattered once per step (micro-batches accumulate under ``no_sync``); and one
+    uint8 flag per parameter tensor all-reduced once per step (which parameters had a gradient)."""
     st = strides(lay)
     items: list[CommItem] = []
 
@@ -123,12 +146,22 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
     shard = lay.dp * lay.cp
     for kind, psi, group in (("dense", dense, shard), ("expert", expert, max(1, shard // lay.ep))):
         label = "data parallel" if kind == "dense" else "expert data parallel"
+        if units is not None and kind == "dense" and lay.zero in (1, 2):
+            psi = units.psi_padded
         stride = st["cp"] if lay.cp > 1 else st["dp"]
+        if units is not None and kind == "dense":
+            add("ZeRO grad flags", "all-reduce", group, units.n_tensors, 1, stride, "none")
         if lay.zero == 0:
             add(label, "all-reduce", group, psi * b["grads"], 1, stride, "backward")
         elif lay.zero in (1, 2):
             add(f"ZeRO-{lay.zero} grads", "reduce-scatter", group, psi * b["grads"], 1, stride, "backward")
             add(f"ZeRO-{lay.zero} weights", "all-gather", group, psi * b["params"], 1, stride, "none")
+        elif units is not None and kind == "dense":
+            root = sum(units.padded_numels[:units.root_units])
+            add("ZeRO-3 root weights (fwd)", "all-gather", group, root * b["params"], mb, stride, "compute")
+            add("ZeRO-3 block weights (fwd+bwd)", "all-gather", group, (units.psi_padded - root) * b["params"],
+                2 * mb, stride, "compute")
+            add("ZeRO-3 grads", "reduce-scatter", group, units.psi_padded * b["grads"], 1, stride, "backward")
         else:
             add("ZeRO-3 weights (fwd+bwd)", "all-gather", group, psi * b["params"], 2 * mb, stride, "compute")
             add("ZeRO-3 grads", "reduce-scatter", group, psi * b["grads"], mb, stride, "backward")

@@ -23,6 +23,7 @@ from shardwise.plan.memory import (
     MODEL_STATE_METRICS,
     STATE_CONVENTIONS,
     activation_mode,
+    exact_zero_units,
     memory_breakdown,
 )
 from shardwise.plan.params import count_params
@@ -31,33 +32,41 @@ from shardwise.train.metrics import read_metrics
 
 
 def predicted_for_run(cfg: Config) -> dict[str, float]:
-    """The plan of the layout a run's resolved config describes (data parallel, fp32 states)."""
+    """The plan of the layout a run's resolved config describes (data parallel or ZeRO, fp32 states).
+
+    Model-state bytes are those of rank 0, the rank whose metrics the trainer logs; with ZeRO they
+    follow the engine's padded flat units (parallel.bucket_mb, parallel.zero_unit)."""
     m = model_spec(cfg)
     s = seq_len_of(cfg, m)
     p = cfg.parallel
     world = (p.nproc or 1) * p.nnodes
     dp = p.dp or max(1, world // (p.tp * p.pp * p.cp))
     t = cfg.train
-    lay = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, micro_batch=t.micro_batch or 1,
+    lay = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, offload=p.offload if p.zero else "none",
+                 micro_batch=t.micro_batch or 1,
                  grad_accum=t.grad_accum or 1, recompute=t.recompute if t.recompute in ("none", "full") else "none")
     states = STATE_CONVENTIONS["shardwise"]
     act_bytes = 4 if t.precision == "fp32" else 2
     mode = activation_mode(t.precision, states)
-    mem = memory_breakdown(m, lay, s, states, attention="flash", act_mode=mode, bucket_mb=p.bucket_mb)
+    mem = memory_breakdown(m, lay, s, states, attention="flash", act_mode=mode, bucket_mb=p.bucket_mb,
+                           zero_unit=p.zero_unit)
     cluster = Cluster(BUILTIN_GPUS["H100"], gpus_per_node=world)  # placement only; times are not compared
-    items = comm_items(m, lay, s, states, cluster, act_bytes)
+    items = comm_items(m, lay, s, states, cluster, act_bytes, exact_zero_units(m, lay, p.bucket_mb, p.zero_unit))
     out = {"parameters": float(count_params(m).total), "flops_per_token": flops_per_token(m, s),
            "comm_bytes": sum(c.total_payload for c in items), "comm_sent_bytes": sum(c.sent_bytes for c in items),
            "mem_device_bytes": mem.total()}
     out.update(mem.by_metric())
+    for k in MODEL_STATE_METRICS:  # the accountant counts offloaded states too, wherever they live
+        out[k] = sum(mem.by_metric(where)[k] for where in ("device", "host", "disk"))
     out["mem_total_bytes"] = sum(out[k] for k in MODEL_STATE_METRICS)
     return out
 
 
 def measured_for_run(run_dir: Path) -> dict[str, float]:
-    """Medians over the run's steps (the first step, which includes warm-up, left out when there are more)."""
+    """Medians over the run's steps; step 1 (warm-up, and the collectives of the step-0 evaluation
+    that the trainer logs as a ``step: 0`` record) is left out when there are later steps."""
     records = read_metrics(run_dir)
-    steps = records[1:] if len(records) > 1 else records
+    steps = [r for r in records if r.get("step", 0) >= 2] or records
     out: dict[str, float] = {}
     keys = {k for r in records for k in r if k != "step"}
     for key in sorted(keys):

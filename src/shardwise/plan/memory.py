@@ -9,6 +9,8 @@ KΨ = 12Ψ optimizer states (fp32 master weights, momentum, variance). ZeRO-1 sh
 states over N_d, ZeRO-2 also the gradients, ZeRO-3 also the weights (§5.1–5.3, Fig. 1).
 Offload moves the sharded gradients, master weights and optimizer states to host memory
 (ZeRO-Offload, Ren et al. 2021, §4) or NVMe (ZeRO-Infinity, Rajbhandari et al. 2021, §5).
+For layouts shardwise's ZeRO engine runs, the lines use its exact flat units, each padded to a
+multiple of N_d (:mod:`shardwise.plan.zero_layout`); the paper's unpadded Ψ/N_d stays beside them.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", §4, Table 2): per layer, with s tokens, micro-batch b, hidden h, a heads, t-way tensor
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 
 from shardwise.plan.params import attention_params, block_params, mlp_params, norm_params
 from shardwise.plan.spec import Layout, ModelSpec
+from shardwise.plan.zero_layout import ParamEntry, ZeroUnits, engine_state_bytes, model_params, zero_units
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -115,14 +118,17 @@ class MemoryLine:
     formula: str
     source: str
     where: str = "device"
+    paper_bytes: float | None = None
+    """For model states: the paper's unpadded Ψ/N_d value (``bytes`` may differ: the engine's padded units)."""
 
 
 @dataclass
 class MemoryBreakdown:
     lines: list[MemoryLine] = field(default_factory=list)
 
-    def add(self, name, value, formula, source, where="device"):
-        self.lines.append(MemoryLine(name, float(value), formula, source, where))
+    def add(self, name, value, formula, source, where="device", paper_bytes=None):
+        self.lines.append(MemoryLine(name, float(value), formula, source, where,
+                                     None if paper_bytes is None else float(paper_bytes)))
 
     def total(self, where: str = "device") -> float:
         return sum(line.bytes for line in self.lines if line.where == where)
@@ -181,25 +187,49 @@ def params_per_rank(m: ModelSpec, lay: Layout) -> tuple[float, float]:
     return layers * dense_block + extra, layers * experts
 
 
-def model_state_lines(m: ModelSpec, lay: Layout, states: StateDtypes, out: MemoryBreakdown) -> None:
+def exact_zero_units(m: ModelSpec, lay: Layout, bucket_mb: float = 25.0, zero_unit: int = 1,
+                     params: list[ParamEntry] | None = None) -> ZeroUnits | None:
+    """The engine's padded flat units (:mod:`shardwise.plan.zero_layout`) when the layout is one the
+    ZeRO engine runs (ZeRO >= 1, dense model, no tp/pp/cp); None otherwise (the paper's formula)."""
+    if lay.zero == 0 or m.n_experts or lay.tp * lay.pp * lay.cp != 1:
+        return None
+    return zero_units(params if params is not None else model_params(m), lay.zero, lay.dp, bucket_mb, zero_unit)
+
+
+def model_state_lines(m: ModelSpec, lay: Layout, states: StateDtypes, out: MemoryBreakdown,
+                      units: ZeroUnits | None = None) -> None:
     """Weights, gradients, master weights and optimizer states of one rank; expert parameters
-    are sharded over their own data-parallel group of dp·cp/ep ranks."""
+    are sharded over their own data-parallel group of dp·cp/ep ranks.
+
+    With ``units`` (:func:`exact_zero_units`) the bytes are the engine's, to the byte, on its
+    busiest rank (rank 0): each flat unit padded to a multiple of N_d; the paper's unpadded
+    Ψ/N_d value is kept in each line's ``paper_bytes`` and formula."""
     dense, expert = params_per_rank(m, lay)
     shard = lay.dp * lay.cp
     z = zero_model_states(dense, shard, lay.zero, states)
     ze = zero_model_states(expert, max(1, shard // lay.ep), lay.zero, states) if expert else dict.fromkeys(z, 0.0)
     b = states.bytes()
+    exact = engine_state_bytes(units, b, 0, lay.offload != "none") if units is not None else None
     sharded_from = {"params": 3, "grads": 2, "master": 1, "optimizer": 1}
     offloaded = {"master", "optimizer"} | ({"grads"} if lay.zero >= 2 else set()) if lay.offload != "none" else set()
     for key, stage in sharded_from.items():
-        if b[key] == 0:
+        if b[key] == 0 and not (exact and exact[key]):
             continue
         formula = f"{b[key]} B x Psi_rank" + (f" / N_d (dp·cp = {shard})" if lay.zero >= stage else "")
+        paper = z[key] + ze[key]
+        value = paper
+        if exact is not None:
+            value = exact[key]
+            kind = "root + block units" if lay.zero == 3 else "reverse-order buckets"
+            formula += (f"; engine: {len(units.numels)} flat units ({kind}), each padded to a multiple of "
+                        f"N_d={lay.dp} (+{units.padding} elements), rank 0 (paper: {paper:,.0f} B)")
+            if key == "master" and b[key] == 0:
+                formula = "4 B x own slice: fp32 master pieces kept apart for offload (engine's MasterStore)"
         if key in offloaded:
-            out.add(f"mem_{key}_bytes", z[key] + ze[key], formula, "Ren et al. 2021 (ZeRO-Offload) §4",
-                    "host" if lay.offload == "cpu" else "disk")
+            out.add(f"mem_{key}_bytes", value, formula, "Ren et al. 2021 (ZeRO-Offload) §4",
+                    "host" if lay.offload == "cpu" else "disk", paper_bytes=paper)
         else:
-            out.add(f"mem_{key}_bytes", z[key] + ze[key], formula, "Rajbhandari et al. 2019 (ZeRO) §3.1, §5")
+            out.add(f"mem_{key}_bytes", value, formula, "Rajbhandari et al. 2019 (ZeRO) §3.1, §5", paper_bytes=paper)
 
 
 # ---- activations ----------------------------------------------------------------------------
@@ -326,10 +356,14 @@ def buffer_lines(m: ModelSpec, lay: Layout, states: StateDtypes, out: MemoryBrea
 
 
 def memory_breakdown(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, attention: str = "flash",
-                     act_mode: str = "16bit", bucket_mb: float = 25.0) -> MemoryBreakdown:
-    """Every memory line of one rank for ``lay``; ``act_mode`` from :func:`activation_mode`."""
+                     act_mode: str = "16bit", bucket_mb: float = 25.0, zero_unit: int = 1,
+                     params: list[ParamEntry] | None = None) -> MemoryBreakdown:
+    """Every memory line of one rank for ``lay``; ``act_mode`` from :func:`activation_mode`.
+    ``bucket_mb`` and ``zero_unit`` are ``parallel.bucket_mb`` / ``parallel.zero_unit``; ``params``
+    (:func:`shardwise.plan.zero_layout.model_params`, built when needed) saves rebuilding the
+    model's parameter list for every layout of a search."""
     out = MemoryBreakdown()
-    model_state_lines(m, lay, states, out)
+    model_state_lines(m, lay, states, out, exact_zero_units(m, lay, bucket_mb, zero_unit, params))
     activation_lines(m, lay, s, out, attention, act_mode)
     buffer_lines(m, lay, states, out, bucket_mb)
     return out

@@ -21,6 +21,7 @@ from shardwise.plan.flops import attention_flops_per_token, flops_per_token
 from shardwise.plan.hardware import Cluster
 from shardwise.plan.memory import StateDtypes, params_per_rank
 from shardwise.plan.spec import Layout, ModelSpec
+from shardwise.plan.zero_layout import ZeroUnits
 
 PCIE_BW = 25e9
 """Host-device bandwidth per GPU (PCIe 4.0 x16, one direction, ~25 GB/s achievable)."""
@@ -55,7 +56,8 @@ class StepTime:
 
 
 def step_time(m: ModelSpec, lay: Layout, s: int, cluster: Cluster, states: StateDtypes, precision: str = "bf16",
-              act_bytes: int = 2) -> StepTime:
+              act_bytes: int = 2, units: ZeroUnits | None = None) -> StepTime:
+    """Step time, tokens/s and MFU of ``lay``; ``units`` as for :func:`~shardwise.plan.comm.comm_items`."""
     peak = cluster.gpu.peak(precision)
     tokens = lay.global_batch * s
     model_fpt = flops_per_token(m, s, lay.recompute, "model")
@@ -63,7 +65,7 @@ def step_time(m: ModelSpec, lay: Layout, s: int, cluster: Cluster, states: State
     compute = hw_fpt * tokens / lay.world / (peak * cluster.efficiency)
     per_micro = compute / lay.grad_accum
     bubble = (lay.pp - 1) / lay.pp_virtual * per_micro if lay.pp > 1 else 0.0
-    items = comm_items(m, lay, s, states, cluster, act_bytes)
+    items = comm_items(m, lay, s, states, cluster, act_bytes, units)
     backward = per_micro * 2 / 3
     attention = compute * attention_flops_per_token(m, s) / hw_fpt
     hide = {"backward": backward * cluster.overlap, "compute": compute * cluster.overlap,

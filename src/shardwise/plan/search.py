@@ -13,9 +13,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from shardwise.plan.hardware import Cluster
-from shardwise.plan.memory import MemoryBreakdown, StateDtypes, activation_mode, memory_breakdown
+from shardwise.plan.memory import (
+    MemoryBreakdown,
+    StateDtypes,
+    activation_mode,
+    exact_zero_units,
+    memory_breakdown,
+)
 from shardwise.plan.perf import StepTime, step_time
 from shardwise.plan.spec import Layout, ModelSpec
+from shardwise.plan.zero_layout import ParamEntry, model_params
 
 SEARCHED = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "recompute", "sequence_parallel")
 """Layout fields the search fills when the config leaves them open."""
@@ -49,11 +56,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def evaluate(m: ModelSpec, lay: Layout, s: int, cluster: Cluster, states: StateDtypes, precision: str,
-             attention: str = "flash", bucket_mb: float = 25.0) -> Candidate:
-    """Memory and time of one layout (no checks)."""
+             attention: str = "flash", bucket_mb: float = 25.0, zero_unit: int = 1,
+             params: list[ParamEntry] | None = None) -> Candidate:
+    """Memory and time of one layout (no checks); ``params`` as for :func:`memory_breakdown`."""
     act_bytes = 4 if precision == "fp32" else 2
-    mem = memory_breakdown(m, lay, s, states, attention, activation_mode(precision, states), bucket_mb)
-    return Candidate(lay, mem, step_time(m, lay, s, cluster, states, precision, act_bytes))
+    mem = memory_breakdown(m, lay, s, states, attention, activation_mode(precision, states), bucket_mb, zero_unit,
+                           params)
+    units = exact_zero_units(m, lay, bucket_mb, zero_unit, params) if params is not None else None
+    return Candidate(lay, mem, step_time(m, lay, s, cluster, states, precision, act_bytes, units))
 
 
 def check(m: ModelSpec, lay: Layout, s: int, cluster: Cluster) -> str | None:
@@ -85,7 +95,7 @@ def check(m: ModelSpec, lay: Layout, s: int, cluster: Cluster) -> str | None:
 
 def search(m: ModelSpec, s: int, cluster: Cluster, fixed: dict, global_batch: int | None, states: StateDtypes,
            precision: str = "bf16", attention: str = "flash", memory_fraction: float = 0.9, top: int = 10,
-           bucket_mb: float = 25.0, max_micro_batch: int = 64) -> SearchResult:
+           bucket_mb: float = 25.0, max_micro_batch: int = 64, zero_unit: int = 1) -> SearchResult:
     """Every layout agreeing with ``fixed`` (Layout field -> value), ranked by tokens/s.
 
     ``global_batch`` None means micro_batch·grad_accum·dp from ``fixed``. A layout fits when its
@@ -99,6 +109,7 @@ def search(m: ModelSpec, s: int, cluster: Cluster, fixed: dict, global_batch: in
     result = SearchResult(ranked=[])
     ranked: list[Candidate] = []
     budget = cluster.gpu.memory_bytes * memory_fraction
+    params = None if m.n_experts else model_params(m)  # for the ZeRO engine's exact units, built once
 
     def drop(reason, lay):
         result.dropped[reason] += 1
@@ -138,7 +149,8 @@ def search(m: ModelSpec, s: int, cluster: Cluster, fixed: dict, global_batch: in
                                         if why:
                                             drop(why, lay)
                                             continue
-                                        cand = evaluate(m, lay, s, cluster, states, precision, attention, bucket_mb)
+                                        cand = evaluate(m, lay, s, cluster, states, precision, attention, bucket_mb,
+                                                        zero_unit, params)
                                         if cand.mem_bytes > budget:
                                             drop(f"does not fit in {memory_fraction:.0%} of "
                                                  f"{cluster.gpu.memory_bytes / 1e9:.0f} GB", lay)

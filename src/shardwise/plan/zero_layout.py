@@ -1,0 +1,165 @@
+"""The exact flat-unit layout of shardwise's ZeRO engine: model-state bytes per rank to the byte.
+
+Rajbhandari et al. 2020, "ZeRO" (SC'20), §5 divides Ψ parameters evenly over N_d ranks. The
+engine (shardwise.parallel.zero) does so unit by unit: each unit's parameters are laid end to end
+in one flat buffer *padded* to a multiple of N (``FlatUnit``: shard = ⌈numel/N⌉, padded = shard·N),
+and rank r owns the r-th slice. So the exact per-rank bytes use, per unit u, ⌈n_u/N⌉ instead of
+n_u/N. The units are (``ZeroDataParallel._unit_groups``):
+
+* ZeRO-1/2: the trainable parameters (tied ones once, ``named_parameters()`` order) grouped into
+  buckets in *reverse* registration order, a bucket closed as soon as it holds at least
+  ``parallel.bucket_mb`` MiB of the module's (fp32) parameters (``shardwise.parallel.data._chunks``;
+  a larger parameter gets a bucket of its own), as torch DDP does.
+* ZeRO-3: ``parallel.zero_unit`` transformer blocks per unit, plus a root unit holding every other
+  parameter (embeddings, final norm, untied head).
+
+What a rank holds (the accountant, shardwise.train.memory): parameters — the padded full buffers
+(stages 1, 2) or the padded slices (stage 3); gradients — the padded full buffers (stage 1) or
+the padded slices (stages 2, 3); optimizer states and separate master weights — one entry per
+*real* element of the rank's slices (``Piece``s: padding has none), so rank 0, whose slices are
+all real, is the busiest, and its bytes are the paper's formula with Ψ replaced by the padded
+Σ_u ⌈n_u/N⌉·N.
+
+The parameter shapes come from building the model on the meta device (no memory is allocated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.plan.spec import ModelSpec, model_config_of
+
+MODULE_PARAM_BYTES = 4
+"""The trainer's model holds fp32 parameters (``torch.autocast`` makes the low-precision copies);
+the bucket cap counts their bytes."""
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One trainable parameter of the model, in registration order."""
+
+    name: str
+    numel: int
+    block: int | None
+    """Index of the transformer block it belongs to (None: embeddings, final norm, head)."""
+
+
+def model_params(spec: ModelSpec) -> list[ParamEntry]:
+    """The trainable parameters of ``Transformer(spec)``, deduplicated as ``named_parameters()`` does
+    (a tied head appears once, as the token embedding), built on the meta device."""
+    import torch
+
+    from shardwise.model.transformer import Transformer
+
+    if spec.n_experts:
+        raise ValueError("the exact ZeRO layout is known for dense models only (the trainer has no MoE yet)")
+    with torch.device("meta"):
+        model = Transformer(model_config_of(spec))
+    out = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            parts = name.split(".")
+            block = int(parts[1]) if parts[0] == "blocks" else None
+            out.append(ParamEntry(name, p.numel(), block))
+    return out
+
+
+def bucket_numels(numels: list[int], bucket_mb: float, elem_bytes: int = MODULE_PARAM_BYTES) -> list[list[int]]:
+    """ZeRO-1/2 units: ``numels`` (registration order) bucketed in reverse order, each bucket closed
+    once it reaches ``bucket_mb`` MiB (shardwise.parallel.data ``_assign_buckets``/``_chunks``)."""
+    cap = max(int(bucket_mb * 2**20), 1)
+    buckets, current, size = [], [], 0
+    for n in reversed(numels):
+        current.append(n)
+        size += n * elem_bytes
+        if size >= cap:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def stage3_numels(params: list[ParamEntry], zero_unit: int) -> list[list[int]]:
+    """ZeRO-3 units: the root (every parameter outside the blocks) first, then ``zero_unit`` blocks each."""
+    n_blocks = 1 + max((p.block for p in params if p.block is not None), default=-1)
+    root = [p.numel for p in params if p.block is None]
+    units = [root]
+    for first in range(0, n_blocks, zero_unit):
+        units.append([p.numel for p in params if p.block is not None and first <= p.block < first + zero_unit])
+    return units
+
+
+@dataclass(frozen=True)
+class ZeroUnits:
+    """The flat units of one ZeRO engine: real elements per unit, the stage and the group size N."""
+
+    stage: int
+    world: int
+    numels: tuple[int, ...]
+    root_units: int = 0
+    """Leading units gathered once per micro-batch in ZeRO-3 (the root); the others twice."""
+    n_tensors: int = 0
+    """Parameter tensors in all units: the engine all-reduces one uint8 "had a gradient" flag per
+    tensor each step (``ZeroDataParallel._agree_on_grads``)."""
+
+    @property
+    def shard_numels(self) -> tuple[int, ...]:
+        return tuple(-(-n // self.world) for n in self.numels)
+
+    @property
+    def padded_numels(self) -> tuple[int, ...]:
+        return tuple(s * self.world for s in self.shard_numels)
+
+    @property
+    def psi(self) -> int:
+        """Ψ: the model's parameters, unpadded (the paper's count)."""
+        return sum(self.numels)
+
+    @property
+    def psi_padded(self) -> int:
+        """Σ_u ⌈n_u/N⌉·N: what the flat buffers hold."""
+        return sum(self.padded_numels)
+
+    @property
+    def padding(self) -> int:
+        return self.psi_padded - self.psi
+
+    def owned(self, rank: int = 0) -> int:
+        """Real (non-padding) elements in ``rank``'s slices: its optimizer and master entries."""
+        return sum(max(0, min(n, (rank + 1) * s) - rank * s)
+                   for n, s in zip(self.numels, self.shard_numels, strict=True))
+
+    def state_elements(self, rank: int = 0) -> dict[str, int]:
+        """Elements per category on ``rank`` (multiply by each state's bytes per element)."""
+        shard, padded = sum(self.shard_numels), self.psi_padded
+        own = self.owned(rank)
+        return {"params": shard if self.stage >= 3 else padded,
+                "grads": padded if self.stage == 1 else shard,
+                "master": own, "optimizer": own}
+
+
+def zero_units(params: list[ParamEntry], stage: int, world: int, bucket_mb: float = 25.0,
+               zero_unit: int = 1) -> ZeroUnits:
+    """The units ``ZeroDataParallel(model, stage=stage, bucket_mb=..., unit_blocks=zero_unit)``
+    builds on ``world`` data-parallel ranks, for the parameters ``params`` (:func:`model_params`)."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ZeRO stage {stage}; the engine has units for stages 1, 2 and 3")
+    if stage == 3:
+        groups = stage3_numels(params, zero_unit)
+    else:
+        groups = bucket_numels([p.numel for p in params], bucket_mb)
+    return ZeroUnits(stage, world, tuple(sum(g) for g in groups), root_units=1 if stage == 3 else 0,
+                     n_tensors=sum(len(g) for g in groups))
+
+
+def engine_state_bytes(units: ZeroUnits, b: dict[str, int], rank: int = 0,
+                       separate_master: bool = False) -> dict[str, int]:
+    """Bytes per category on ``rank`` (what shardwise.train.memory.model_state_bytes reports):
+    ``b`` is bytes per element of params, grads, master and optimizer (``StateDtypes.bytes()``);
+    ``separate_master`` when the engine keeps fp32 master pieces apart (offload or 16-bit flat
+    parameters; shardwise.parallel.zero.offload.MasterStore), 4 bytes each if ``b`` has none."""
+    el = units.state_elements(rank)
+    master = b["master"] or (4 if separate_master else 0)
+    return {"params": el["params"] * b["params"], "grads": el["grads"] * b["grads"],
+            "master": el["master"] * master, "optimizer": el["optimizer"] * b["optimizer"]}
