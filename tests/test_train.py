@@ -127,7 +127,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, cache_di
     overrides = {"ckpt.every": 2, "ckpt.keep": 3}
     uninterrupted = run(tmp_path, cache_dir, "full", 1, **overrides)
     run(tmp_path, cache_dir, "broken", 1, stop_after=6, **overrides)
-    newest = tmp_path / "broken" / "checkpoints" / "step_00000006" / "model.safetensors"
+    newest = tmp_path / "broken" / "checkpoints" / "step_00000006" / "shard-00000.safetensors"
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))

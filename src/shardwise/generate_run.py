@@ -12,7 +12,8 @@ from shardwise.config import Config
 def load_trained_model(run_dir: Path, checkpoint: Path | None = None):
     """The model of ``run_dir`` with the weights of ``checkpoint`` (default: the newest valid one)."""
     from shardwise.model import Transformer
-    from shardwise.train.checkpoint import latest_valid_checkpoint, load_checkpoint
+    from shardwise.train.checkpoint import latest_valid_checkpoint, verify_checkpoint
+    from shardwise.train.state import open_checkpoint
 
     run_dir = Path(run_dir)
     config_file = run_dir / "config.toml"
@@ -22,9 +23,9 @@ def load_trained_model(run_dir: Path, checkpoint: Path | None = None):
     path = checkpoint or latest_valid_checkpoint(run_dir / "checkpoints")
     if path is None:
         raise FileNotFoundError(f"{run_dir} has no valid checkpoint under checkpoints/")
-    tensors, _meta = load_checkpoint(path)
+    verify_checkpoint(path)
     model = Transformer(cfg.model)
-    model.load_state_dict(tensors["model"])
+    model.load_state_dict(dict(open_checkpoint(path).model_state()))
     return model, cfg
 
 

@@ -92,33 +92,66 @@ def save_checkpoint(
     """
     root = Path(root)
     _check_save_args(step, tensors, keep)
-    try:
-        state_text = json.dumps(dict(meta), indent=2, sort_keys=False)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"checkpoint meta for step {step} is not JSON-serialisable: {e}") from e
-
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    tmp = _new_tmp_dir(root, step)
+    state_text = _meta_text(meta, step)
+    tmp = begin_checkpoint(root, step)
     try:
         files: dict[str, dict[str, Any]] = {}
         for stem, flat in tensors.items():
-            name = f"{stem}.safetensors"
-            save_file(_prepare_tensors(flat), str(tmp / name), metadata={"format": "pt"})
-            files[name] = _fsync_and_describe(tmp / name)
-        _write_text(tmp / STATE, state_text)
-        files[STATE] = _fsync_and_describe(tmp / STATE)
-        manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": step, "files": files}
-        _write_text(tmp / MANIFEST, json.dumps(manifest, indent=2))
-        _fsync_path(tmp / MANIFEST)
-        _fsync_dir(tmp)
-        _move_into_place(tmp, final, root, step)
+            files.update(write_tensor_file(tmp, stem, flat))
+        return finish_checkpoint(root, step, tmp, files, state_text, keep)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        abandon_checkpoint(tmp)
         raise
+
+
+# Several writers (every rank writes its own shard file, see ``shardwise.train.sharded``) use the three
+# steps directly: one process begins, every writer writes into the temporary directory, one finishes.
+
+
+def begin_checkpoint(root: Path, step: int) -> Path:
+    """Create and return the temporary directory a checkpoint of ``step`` is written into."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    return _new_tmp_dir(root, step)
+
+
+def write_tensor_file(directory: Path, stem: str, flat: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """Write ``flat`` as ``<stem>.safetensors`` into ``directory`` (fsynced); returns its manifest entry."""
+    _check_save_args(0, {stem: flat}, 1)
+    name = f"{stem}.safetensors"
+    save_file(_prepare_tensors(flat), str(Path(directory) / name), metadata={"format": "pt"})
+    return {name: _fsync_and_describe(Path(directory) / name)}
+
+
+def finish_checkpoint(root: Path, step: int, tmp: Path, files: Mapping[str, dict[str, Any]],
+                      meta: Mapping[str, Any] | str, keep: int) -> Path:
+    """Write ``state.json`` and the manifest (last), rename ``tmp`` into place, prune to ``keep``."""
+    root = Path(root)
+    state_text = meta if isinstance(meta, str) else _meta_text(meta, step)
+    files = dict(files)
+    _write_text(tmp / STATE, state_text)
+    files[STATE] = _fsync_and_describe(tmp / STATE)
+    manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": step, "files": files}
+    _write_text(tmp / MANIFEST, json.dumps(manifest, indent=2))
+    _fsync_path(tmp / MANIFEST)
+    _fsync_dir(tmp)
+    final = root / step_dir_name(step)
+    _move_into_place(tmp, final, root, step)
     _fsync_dir(root)
     _prune(root, keep, final)
     return final
+
+
+def abandon_checkpoint(tmp: Path) -> None:
+    """Remove a temporary checkpoint directory after a failed write (existing checkpoints are untouched)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _meta_text(meta: Mapping[str, Any], step: int) -> str:
+    try:
+        return json.dumps(dict(meta), indent=2, sort_keys=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint meta for step {step} is not JSON-serialisable: {e}") from e
 
 
 def _check_save_args(step: int, tensors: Mapping, keep: int) -> None:
@@ -333,6 +366,18 @@ def verify_checkpoint(path: Path) -> None:
             )
 
 
+def read_state(path: Path) -> dict[str, Any]:
+    """``state.json`` of a checkpoint (already verified), as a dict."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / STATE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: file {STATE} is unreadable: {e}") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {path}: file {STATE} does not hold a JSON object")
+    return meta
+
+
 def load_checkpoint(
     path: Path, map_location: str | torch.device = "cpu"
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
@@ -352,13 +397,7 @@ def load_checkpoint(
                 tensors[name[: -len(".safetensors")]] = load_file(str(path / name), device=device)
             except (SafetensorError, OSError, ValueError) as e:
                 raise CheckpointError(f"checkpoint {path}: file {name} cannot be read by safetensors: {e}") from e
-    try:
-        meta = json.loads((path / STATE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path}: file {STATE} is unreadable: {e}") from e
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"checkpoint {path}: file {STATE} does not hold a JSON object")
-    return tensors, meta
+    return tensors, read_state(path)
 
 
 def list_checkpoints(root: Path) -> list[Path]:

@@ -8,9 +8,10 @@ that applies a technique from ``parallel/``, and the optimizer, and answers the 
   gradients averaged over the data-parallel group when it returns;
 * ``unscale_and_clip(scaler, max_norm)``: fp16 overflow check and global-norm clipping;
 * ``eval_loss(x, y)``, ``train_mode(on)``; ``comm_metrics()``, ``step_metrics()``, ``memory_bytes()``;
-* ``checkpoint_state()`` / ``load_state(model_state, optimizer_state)``: the *unsharded* model and
-  optimizer state dicts of a single-process run (the same keys and optimizer indices whatever the
-  layout), so a checkpoint resumes on any layout.
+* ``checkpoint_pieces()`` / ``load_state(model_state, optimizer_state)``: the pieces of the
+  single-process model and optimizer state this rank writes (:mod:`shardwise.train.sharded`; the same
+  keys and optimizer indices whatever the layout), and loading that state resharded to this layout,
+  so a checkpoint resumes on any layout.
 
 :class:`DataParallelEngine` (replicas, :mod:`shardwise.parallel.data`), :class:`ZeroEngine` (ZeRO-1/2/3,
 :mod:`shardwise.parallel.zero`) and :class:`~shardwise.train.pipeline_engine.PipelineEngine`
@@ -20,6 +21,7 @@ that applies a technique from ``parallel/``, and the optimizer, and answers the 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -31,14 +33,16 @@ from shardwise.dist.mesh import Mesh
 from shardwise.model import Transformer
 from shardwise.parallel.data import DataParallel
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
+from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces, zero_param_groups
 from shardwise.train import memory as train_memory
 from shardwise.train.checkpoint import CheckpointError
 from shardwise.train.optim import build_optimizer
 from shardwise.train.precision import DynamicLossScaler, autocast_context
 from shardwise.train.recompute import apply_activation_checkpointing
+from shardwise.train.sharded import Piece, materialized_optimizer_state, state_pieces
 
 
-def load_model_state(module: torch.nn.Module, state: dict, strict_subset: bool = False) -> None:
+def load_model_state(module: torch.nn.Module, state: Mapping, strict_subset: bool = False) -> None:
     """Load ``state`` into ``module``; a missing or unexpected key is a :class:`CheckpointError`.
     With ``strict_subset`` the module takes only its own keys from a larger (whole-model) state."""
     if strict_subset:
@@ -121,15 +125,18 @@ class DataParallelEngine:
     def memory_bytes(self) -> dict[str, int]:
         return train_memory.model_state_bytes(self.wrapper, self.optimizer)
 
-    def checkpoint_state(self) -> tuple[dict | None, dict | None]:
-        """(model state, optimizer state) on global rank 0, ``(None, None)`` elsewhere; replicas are equal."""
+    def checkpoint_pieces(self) -> tuple[list[Piece], list[dict] | None]:
+        """What this rank writes into a checkpoint, and (on global rank 0) the single-process optimizer's
+        param groups. Replicas are equal: rank 0 writes every tensor whole, the others nothing."""
         if dist.get_rank() != 0:
-            return None, None
-        return self.module.state_dict(), self.optimizer.state_dict()
+            return [], None
+        state = self.optimizer.state_dict()
+        return state_pieces(self.module.state_dict(), state["state"]), state["param_groups"]
 
-    def load_state(self, model_state: dict, optimizer_state: dict) -> None:
-        load_model_state(self.module, model_state)
-        self.optimizer.load_state_dict(optimizer_state)
+    def load_state(self, model_state: Mapping, optimizer_state: dict) -> None:
+        """Load the single-process model and optimizer state (lazy mappings from a checkpoint reader)."""
+        load_model_state(self.module, dict(model_state))
+        self.optimizer.load_state_dict(materialized_optimizer_state(optimizer_state))
 
     def final_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on global rank 0 (a collective for sharded layouts)."""
@@ -144,7 +151,8 @@ class ZeroEngine(DataParallelEngine):
         return ZeroDataParallel(self.module, group=self.group, stage=p.zero, bucket_mb=p.bucket_mb,
                                 unit_blocks=p.zero_unit, offload=p.offload,
                                 offload_dir=p.offload_dir or str(run_dir / "offload"),
-                                quant_weights=p.zero_quant_weights, quant_grads=p.zero_quant_grads)
+                                quant_weights=p.zero_quant_weights, quant_grads=p.zero_quant_grads,
+                                hpz_size=p.zero_hpz)
 
     def _optimizer(self):
         return ZeroOptimizer(self.wrapper, build_optimizer(self.module, self.cfg.train))
@@ -160,11 +168,14 @@ class ZeroEngine(DataParallelEngine):
         return {"comm_bytes": float(self.wrapper.comm_bytes_last_step),
                 "comm_sent_bytes": float(self.wrapper.pop_comm_bytes())}
 
-    def checkpoint_state(self) -> tuple[dict | None, dict | None]:
-        states = self.wrapper.state_dict(), self.optimizer.state_dict()  # collectives: every rank
-        return states if dist.get_rank() == 0 else (None, None)
+    def checkpoint_pieces(self) -> tuple[list[Piece], list[dict] | None]:
+        """Every rank writes the slices of the parameters and optimizer moments in its own shard;
+        nothing is gathered."""
+        pieces = zero_checkpoint_pieces(self.wrapper, self.optimizer, with_buffers=dist.get_rank() == 0)
+        return pieces, zero_param_groups(self.optimizer) if dist.get_rank() == 0 else None
 
-    def load_state(self, model_state: dict, optimizer_state: dict) -> None:
+    def load_state(self, model_state: Mapping, optimizer_state: dict) -> None:
+        """Each rank takes the slices of its new shard (resharding on load); tensors are read one at a time."""
         load_model_state(self.wrapper, model_state)
         self.optimizer.load_state_dict(optimizer_state)
 

@@ -22,12 +22,13 @@ from shardwise.dist.mesh import ParallelDims, init_distributed
 from shardwise.model import Transformer
 from shardwise.train import memory as train_memory
 from shardwise.train import state as train_state
-from shardwise.train.checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
+from shardwise.train.checkpoint import latest_valid_checkpoint
 from shardwise.train.engines import build_engine
 from shardwise.train.flops import peak_flops, training_flops_per_token
 from shardwise.train.metrics import MetricsLogger, process_memory_bytes
 from shardwise.train.optim import lr_at, set_lr
 from shardwise.train.precision import DynamicLossScaler
+from shardwise.train.sharded import save_sharded
 
 
 @dataclass
@@ -78,8 +79,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     if cfg.ckpt.resume:
         found = latest_valid_checkpoint(ckpt_root, warn=log.log_event if rank == 0 else (lambda _m: None))
         if found is not None:
-            tensors, meta = load_checkpoint(found)
-            start_step = train_state.restore(tensors, meta, engine, scaler, sampler, rank)
+            start_step = train_state.restore(train_state.open_checkpoint(found), engine, scaler, sampler, rank)
             log.log_event(f"resumed from {found} at step {start_step}")
         else:
             log.log_event(f"no valid checkpoint in {ckpt_root}; starting from step 0")
@@ -181,14 +181,14 @@ def evaluate(engine, windows: TokenWindows, tcfg, dp_rank: int, dp_size: int, gr
 
 
 def _save(cfg, root, step, engine, scaler, sampler, rank) -> None:
-    """Rank 0 writes the checkpoint; RNG states of all ranks are kept.
-
-    Every rank first takes part in assembling the unsharded model and optimizer state
-    (``engine.checkpoint_state()``: gathered shards or stages), so a checkpoint has the same
-    layout-independent form whatever the layout, and resumes on any other."""
+    """Every rank writes the pieces of the single-process state it holds (train/sharded.py): whole
+    tensors from data-parallel rank 0, slices of its shard from every ZeRO rank, its layers from each
+    pipeline stage; global rank 0 adds every rank's RNG state and the JSON state. Layout-free: the
+    checkpoint resumes on any other layout."""
     rng_states = train_state.gather_rng_states()
-    model_state, optimizer_state = engine.checkpoint_state()
+    pieces, param_groups = engine.checkpoint_pieces()
+    meta = None
     if rank == 0:
-        tensors, meta = train_state.capture(model_state, optimizer_state, scaler, sampler, step, rng_states, cfg)
-        save_checkpoint(root, step, tensors, meta, keep=cfg.ckpt.keep)
-    dist.barrier()
+        pieces = pieces + train_state.rng_pieces(rng_states)
+        meta = train_state.capture_meta(param_groups, scaler, sampler, step, cfg)
+    save_sharded(root, step, pieces, meta, keep=cfg.ckpt.keep)

@@ -7,7 +7,7 @@ data-parallel group once after the last micro-batch (:class:`~shardwise.parallel
 clips by the global norm over the pipeline (:func:`~shardwise.parallel.pipeline.clip_grad_norm`) and steps an
 AdamW over its own parameters. The last stage's loss is broadcast along the pipeline.
 
-Checkpoints are layout-free: every stage's weights and optimizer moments are gathered on global rank 0
+Checkpoints are layout-free: every stage writes its own weights and optimizer moments (nothing is gathered)
 under the single-process model's names and optimizer indices (:func:`~shardwise.train.optim.optimizer_param_names`),
 so a pipeline run resumes on any other layout and vice versa. Every step the pipeline's timelines are
 gathered to report the measured bubble beside the theoretical one (Narayanan et al. 2021 §2.2) and each
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -47,6 +48,7 @@ from shardwise.train.engines import load_model_state
 from shardwise.train.optim import build_optimizer, decay_groups, optimizer_param_names
 from shardwise.train.precision import DynamicLossScaler, autocast_context
 from shardwise.train.recompute import checkpoint_module
+from shardwise.train.sharded import Piece, state_pieces
 
 
 class PipelineEngine:
@@ -154,54 +156,52 @@ class PipelineEngine:
         decay, no_decay, _ = decay_groups(full.named_parameters())
         return decay, no_decay
 
-    def _gather_on_rank0(self, local):
-        """Every pipeline stage's ``local`` (data-parallel rank 0 only: replicas are equal) on global rank 0."""
-        mine = local if self.mesh.dp_rank == 0 else None
-        out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, out, dst=0)
-        return [o for o in out if o is not None] if out is not None else None
-
-    def checkpoint_state(self) -> tuple[dict | None, dict | None]:
+    def checkpoint_pieces(self) -> tuple[list[Piece], list[dict] | None]:
+        """Each stage (its data-parallel rank 0; replicas are equal) writes its own layers and their
+        optimizer state whole, under the single-process names and optimizer indices: nothing is gathered."""
+        groups = None
+        if dist.get_rank() == 0:
+            decay, no_decay = self._reference_groups()
+            hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            groups = [dict(hyper[0], params=list(range(len(decay)))),
+                      dict(hyper[1], params=list(range(len(decay), len(decay) + len(no_decay))))]
+        if self.mesh.dp_rank != 0:
+            return [], groups
+        decay, no_decay = self._reference_groups()
+        ref_index = {n: i for i, n in enumerate(decay + no_decay)}
+        local_names = optimizer_param_names(self._named_parameters())
         model_state: dict[str, torch.Tensor] = {}
         for chunk in self.pipe.chunks:
-            model_state.update({k: v.detach().cpu() for k, v in chunk.state_dict().items()})
-        local_names = optimizer_param_names(self._named_parameters())
-        opt = self.optimizer.state_dict()
-        by_name = {local_names[i]: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
-                   for i, st in opt["state"].items()}
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
-        gathered = self._gather_on_rank0((model_state, by_name))
-        if gathered is None:
-            return None, None
-        full_model: dict[str, torch.Tensor] = {}
-        full_opt: dict[str, dict] = {}
-        for stage_model, stage_opt in gathered:
-            for k, v in stage_model.items():
-                full_model.setdefault(k, v)  # a tied table appears on the first and last stage, equal
-            for k, v in stage_opt.items():
-                full_opt.setdefault(k, v)
-        decay, no_decay = self._reference_groups()
-        groups = [dict(hyper[0], params=list(range(len(decay)))),
-                  dict(hyper[1], params=list(range(len(decay), len(decay) + len(no_decay))))]
-        state = {i: full_opt[n] for i, n in enumerate(decay + no_decay) if n in full_opt}
-        return full_model, {"state": state, "param_groups": groups}
+            model_state.update(chunk.state_dict())
+        opt = self.optimizer.state_dict()["state"]
+        return state_pieces(model_state, {ref_index[local_names[i]]: st for i, st in opt.items()}), groups
 
-    def load_state(self, model_state: dict, optimizer_state: dict) -> None:
+    def load_state(self, model_state: Mapping, optimizer_state: dict) -> None:
+        """Take this rank's layers (and their optimizer state) from the single-process state."""
         for chunk in self.pipe.chunks:
             load_model_state(chunk, model_state, strict_subset=True)
         decay, no_decay = self._reference_groups()
         ref_index = {n: i for i, n in enumerate(decay + no_decay)}
         saved = {int(k): v for k, v in optimizer_state["state"].items()}
         local_names = optimizer_param_names(self._named_parameters())
-        state = {i: saved[ref_index[n]] for i, n in enumerate(local_names) if ref_index[n] in saved}
+        state = {i: dict(saved[ref_index[n]]) for i, n in enumerate(local_names) if ref_index[n] in saved}
         live_groups = self.optimizer.state_dict()["param_groups"]
         groups = [dict({k: v for k, v in saved_g.items() if k != "params"}, params=live_g["params"])
                   for saved_g, live_g in zip(optimizer_state["param_groups"], live_groups, strict=True)]
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def final_state_dict(self) -> dict[str, torch.Tensor]:
-        model_state, _ = self.checkpoint_state()
-        return model_state or {}
+        """The whole model's weights on global rank 0 (every stage sends its layers; for tests and tools)."""
+        mine: dict[str, torch.Tensor] = {}
+        for chunk in self.pipe.chunks:
+            mine.update({k: v.detach().cpu() for k, v in chunk.state_dict().items()})
+        out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine if self.mesh.dp_rank == 0 else None, out, dst=0)
+        full: dict[str, torch.Tensor] = {}
+        for stage_state in out or []:
+            for k, v in (stage_state or {}).items():
+                full.setdefault(k, v)
+        return full
 
 
 def timelines_from_json(doc: dict) -> list[Timeline]:

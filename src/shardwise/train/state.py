@@ -1,18 +1,22 @@
-"""What a checkpoint holds for a data-parallel run, and how it is put back.
+"""What a checkpoint holds, and how it is put back.
 
-Tensors (safetensors files): ``model`` (the state dict), ``optimizer`` (flattened AdamW state),
-``rng`` (every rank's CPU — and CUDA — generator state). JSON (state.json): the step, the
-optimizer's param groups, the loss scaler, the data position and the resolved config.
-Resuming restores all of it, so a stopped-and-resumed run is bit-identical to an uninterrupted one.
+Tensors (sharded safetensors files, :mod:`shardwise.train.sharded`): the single-process model state dict,
+the single-process optimizer's per-parameter state and every rank's CPU (and CUDA) generator state, each
+written by the ranks that hold it. JSON (state.json): the step, the optimizer's param groups, the loss
+scaler, the data position, the resolved config and the index of the shards. Resuming restores all of
+it, so a stopped-and-resumed run is bit-identical to an uninterrupted one, on the same layout or another.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
-from shardwise.train.checkpoint import CheckpointError
+from shardwise.train.checkpoint import CheckpointError, load_checkpoint, read_state
 from shardwise.train.optim_state import optimizer_state_from_tensors, optimizer_state_to_tensors
+from shardwise.train.sharded import Piece, ShardedReader, whole
 
 
 def gather_rng_states() -> list[torch.Tensor]:
@@ -25,37 +29,57 @@ def gather_rng_states() -> list[torch.Tensor]:
     return gathered
 
 
-def capture(model_state: dict, optimizer_state: dict, scaler, sampler, step: int, rng_states,
-            cfg) -> tuple[dict, dict]:
-    """Everything a checkpoint holds: the unsharded model and optimizer state dicts (the engine
-    assembles them from shards or stages beforehand), the loss scaler, the data position, RNGs."""
-    opt_tensors, opt_meta = optimizer_state_to_tensors(optimizer_state)
-    tensors = {
-        "model": dict(model_state),
-        "optimizer": opt_tensors,
-        "rng": {f"rank{r}": s for r, s in enumerate(rng_states)},
-    }
-    meta = {
+def rng_pieces(rng_states: list[torch.Tensor]) -> list[Piece]:
+    return [whole(f"rng/rank{r}", state) for r, state in enumerate(rng_states)]
+
+
+def capture_meta(param_groups: list[dict], scaler, sampler, step: int, cfg) -> dict:
+    """The JSON part of a checkpoint. ``param_groups`` are the single-process optimizer's groups
+    (hyper-parameters and parameter indices); the tensors travel as pieces."""
+    _, groups_meta = optimizer_state_to_tensors({"state": {}, "param_groups": param_groups})
+    return {
         "step": step,
-        "optimizer": opt_meta,
+        "optimizer": groups_meta,
         "scaler": scaler.state_dict() if scaler else None,
         "data": sampler.state_dict(step),
         "world_size": dist.get_world_size(),
         "config": cfg.to_dict(),
     }
-    return tensors, meta
 
 
-def restore(tensors: dict, meta: dict, engine, scaler, sampler, rank: int) -> int:
-    """Load a captured state into the live engine (model and optimizer), scaler, sampler and RNG;
-    returns the step to continue from."""
-    engine.load_state(tensors["model"], optimizer_state_from_tensors(tensors["optimizer"], meta["optimizer"]))
+class _WholeFileReader:
+    """Checkpoints written before sharding (one ``model``, ``optimizer`` and ``rng`` file) as a reader."""
+
+    def __init__(self, path: Path):
+        self.tensors, self.meta = load_checkpoint(path)
+
+    def model_state(self) -> dict:
+        return self.tensors["model"]
+
+    def optimizer_state(self) -> dict:
+        return optimizer_state_from_tensors(self.tensors["optimizer"], self.meta["optimizer"])
+
+    def rng(self, rank: int) -> torch.Tensor:
+        return self.tensors["rng"].get(f"rank{rank}", self.tensors["rng"]["rank0"])
+
+
+def open_checkpoint(path: Path):
+    """A reader (``model_state()``, ``optimizer_state()``, ``rng(rank)``, ``meta``) of a verified checkpoint."""
+    meta = read_state(path)
+    return ShardedReader(path, meta) if "shards" in meta else _WholeFileReader(path)
+
+
+def restore(reader, engine, scaler, sampler, rank: int) -> int:
+    """Load a checkpoint into the live engine (model and optimizer, resharded to its layout), scaler,
+    sampler and RNG; returns the step to continue from."""
+    meta = reader.meta
+    engine.load_state(reader.model_state(), reader.optimizer_state())
     if scaler is not None:
         if meta.get("scaler") is None:
             raise CheckpointError("the checkpoint was not trained with fp16, but train.precision='fp16'")
         scaler.load_state_dict(meta["scaler"])
     sampler.load_state_dict(meta["data"])
-    rng = tensors["rng"].get(f"rank{rank}", tensors["rng"]["rank0"])
+    rng = reader.rng(rank)
     n_cpu = torch.get_rng_state().numel()
     torch.set_rng_state(rng[:n_cpu].clone())
     if torch.cuda.is_available() and rng.numel() > n_cpu:

@@ -1,0 +1,59 @@
+"""What a ZeRO rank writes into a sharded checkpoint: the slices of its own shard, nothing gathered.
+
+Each rank owns, per unit, the pieces of parameters that fall into its slice of the flat buffer
+(:class:`~shardwise.parallel.zero.flat.Piece`: elements ``[start, stop)`` of one flattened parameter).
+For every piece it writes the master values (as the parameter's dtype, like ``state_dict()``) under each
+name the model's state dict gives that parameter (a tied weight has two), and the optimizer's element-wise
+state (Adam's moments) under the parameter's index in the single-process optimizer; AdamW's scalar
+``step`` is written whole by every rank holding a piece (equal everywhere). Rank 0 adds the buffers.
+With disk offload each unit's master and moments are streamed in while its pieces are copied.
+Loading on another layout (:mod:`shardwise.train.sharded`) assembles what the new shards need --
+Rajbhandari et al. 2020 §5 keep each rank's 1/N of the state, and so does its checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.train.sharded import Piece, whole
+
+
+def zero_checkpoint_pieces(engine, optimizer, with_buffers: bool) -> list[Piece]:
+    """This rank's pieces of the model and optimizer state (``engine``: ZeroDataParallel,
+    ``optimizer``: its ZeroOptimizer); ``with_buffers`` adds the non-parameter tensors (one rank)."""
+    live = engine.module.state_dict(keep_vars=True)
+    names: dict[int, list[str]] = {}
+    for name, t in live.items():
+        names.setdefault(id(t), []).append(name)
+    ref_of = {id(u.params[pc.param_index]): ref for ref, u, pc, _ in optimizer._entries}
+    state = optimizer.inner.state
+    pieces: list[Piece] = []
+    for u in engine.units:
+        entries = [(pc, m) for uu, pc, m in engine.masters.entries if uu is u]
+        if not entries:
+            continue
+        with engine.masters.resident(u, state):
+            for pc, m in entries:
+                p = u.params[pc.param_index]
+                values = m.detach().reshape(-1).to(p.dtype).cpu().clone()
+                for name in names[id(p)]:
+                    pieces.append(Piece(f"model/{name}", values, pc.start, tuple(p.shape)))
+                for key, v in state.get(m, {}).items():
+                    if not isinstance(v, torch.Tensor):
+                        continue
+                    target = f"optim/{ref_of[id(p)]}/{key}"
+                    if v.dim() > 0:
+                        pieces.append(Piece(target, v.detach().reshape(-1).cpu().clone(), pc.start, tuple(p.shape)))
+                    else:
+                        pieces.append(whole(target, v.detach().cpu().clone()))
+    if with_buffers:
+        params = {id(p) for u in engine.units for p in u.params}
+        pieces += [whole(f"model/{name}", t.detach().cpu().clone()) for name, t in live.items() if id(t) not in params]
+    return pieces
+
+
+def zero_param_groups(optimizer) -> list[dict]:
+    """The single-process optimizer's ``param_groups`` (hyper-parameters, parameter indices)."""
+    return [{**{k: v for k, v in g.items() if k != "params"},
+             "params": [optimizer._ref_index[id(p)] for p in optimizer.reference_groups[gi]]}
+            for gi, g in enumerate(optimizer.inner.param_groups)]

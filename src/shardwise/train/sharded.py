@@ -1,0 +1,185 @@
+"""Sharded, layout-free checkpoints: every rank writes the pieces of the training state it holds.
+
+The state is always that of a single-process run: the model's ``state_dict()`` (``model/<name>``), the
+optimizer state per parameter index of the single-process optimizer (``optim/<index>/<name>``,
+:func:`shardwise.train.optim.optimizer_param_names` gives the order) and every rank's RNG
+(``rng/rank<r>``). A :class:`Piece` is elements ``[start, start + n)`` of one such tensor, flattened.
+A data-parallel rank 0 writes whole tensors; a ZeRO rank writes the slices of its shard (no rank ever
+holds the whole state, Rajbhandari et al. 2020 §5); a pipeline stage writes its own layers. Each writer
+puts its pieces in ``shard-<rank>.safetensors`` of one checkpoint directory, written and renamed into
+place atomically (:mod:`shardwise.train.checkpoint`), and ``state.json`` indexes which file holds which
+range of which tensor. Loading assembles whatever range a rank of the *new* layout needs from those
+files (read lazily with ``safetensors.safe_open``), so any checkpoint resumes on any layout -- the
+resharding-on-load of ``torch.distributed.checkpoint``, here for our own flat shards. Checkpoints
+need one file system visible to every writer (as DCP's file-system writer does).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+
+from shardwise.train.checkpoint import (
+    CheckpointError,
+    abandon_checkpoint,
+    begin_checkpoint,
+    finish_checkpoint,
+    write_tensor_file,
+)
+from shardwise.train.optim_state import optimizer_state_from_tensors
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, start + values.numel())`` of the flattened tensor ``key`` of shape ``shape``."""
+
+    key: str
+    values: torch.Tensor
+    start: int
+    shape: tuple[int, ...]
+
+
+def whole(key: str, tensor: torch.Tensor) -> Piece:
+    """All of ``tensor`` as one piece."""
+    return Piece(key, tensor.detach().reshape(-1), 0, tuple(tensor.shape))
+
+
+def state_pieces(model_state: Mapping[str, torch.Tensor],
+                 optimizer_state: Mapping[int, Mapping[str, Any]]) -> list[Piece]:
+    """Whole-tensor pieces of a model state dict and of an optimizer's per-parameter state."""
+    pieces = [whole(f"model/{name}", t) for name, t in model_state.items()]
+    for index, per_param in optimizer_state.items():
+        for name, value in per_param.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer state {index}/{name} is a {type(value).__name__}; only tensors are saved")
+            pieces.append(whole(f"optim/{index}/{name}", value))
+    return pieces
+
+
+def save_sharded(root: Path, step: int, pieces: list[Piece], meta: dict[str, Any] | None, keep: int) -> None:
+    """Write checkpoint ``step``: every rank its ``pieces``, global rank 0 also ``meta`` (None elsewhere)
+    with the index added. A collective over the default group; a failed writer fails every rank."""
+    rank = dist.get_rank()
+    holder = [begin_checkpoint(root, step) if rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    tmp = Path(holder[0])
+    files, index, error = {}, [], None
+    try:
+        if pieces:
+            entries = {f"{p.key}@{p.start}": p.values.reshape(-1) for p in pieces}
+            files = write_tensor_file(tmp, f"shard-{rank:05d}", entries)
+            (name,) = files
+            index = [(p.key, name, f"{p.key}@{p.start}", p.start, p.values.numel(), list(p.shape),
+                      str(p.values.dtype).removeprefix("torch.")) for p in pieces]
+    except Exception as e:  # noqa: BLE001 - reported to every rank below, then raised
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (files, index, error))
+    errors = [e for _, _, e in everyone if e]
+    if errors:
+        if rank == 0:
+            abandon_checkpoint(tmp)
+        raise CheckpointError(f"checkpoint step {step} was not written: {errors[0]}")
+    if rank == 0:
+        all_files: dict[str, Any] = {}
+        shards: dict[str, dict[str, Any]] = {}
+        for f, idx, _ in everyone:
+            all_files.update(f)
+            for key, file, entry, start, numel, shape, dtype in idx:
+                info = shards.setdefault(key, {"shape": shape, "dtype": dtype, "pieces": []})
+                info["pieces"].append([file, entry, start, start + numel])
+        try:
+            finish_checkpoint(root, step, tmp, all_files, {**meta, "shards": shards}, keep)
+        except BaseException:
+            abandon_checkpoint(tmp)
+            raise
+    dist.barrier()
+
+
+class ShardedReader:
+    """Assemble tensors of a sharded checkpoint from its files, one tensor at a time."""
+
+    def __init__(self, path: Path, meta: Mapping[str, Any]):
+        self.path, self.meta = Path(path), meta
+        self.index: dict[str, dict[str, Any]] = meta["shards"]
+        self._open: dict[str, Any] = {}
+
+    def _file(self, name: str):
+        if name not in self._open:
+            try:
+                self._open[name] = safe_open(str(self.path / name), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"checkpoint {self.path}: file {name} cannot be read by safetensors: {e}") from e
+        return self._open[name]
+
+    def keys(self, prefix: str) -> list[str]:
+        return [k for k in self.index if k.startswith(prefix)]
+
+    def full(self, key: str) -> torch.Tensor:
+        """The whole tensor ``key``; its pieces must cover it (duplicates of a range are skipped)."""
+        if key not in self.index:
+            raise CheckpointError(f"checkpoint {self.path} holds no tensor {key!r}")
+        info = self.index[key]
+        numel = math.prod(info["shape"])
+        out = torch.empty(numel, dtype=getattr(torch, info["dtype"]))
+        pos = 0
+        for file, entry, start, stop in sorted(info["pieces"], key=lambda p: (p[2], -p[3])):
+            if stop <= pos:
+                continue  # the same range again (a tied weight written by two stages)
+            if start != pos:
+                raise CheckpointError(f"checkpoint {self.path}: tensor {key!r} lacks elements {pos}..{start}")
+            out[start:stop] = self._file(file).get_tensor(entry)
+            pos = stop
+        if pos != numel:
+            raise CheckpointError(f"checkpoint {self.path}: tensor {key!r} lacks elements {pos}..{numel}")
+        return out.view(info["shape"])
+
+    def model_state(self) -> LazyState:
+        return LazyState(self, "model/")
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """``{"state": {index: LazyState}, "param_groups": [...]}`` in the single-process optimizer's form."""
+        indices = sorted({int(k.split("/")[1]) for k in self.keys("optim/")})
+        groups = optimizer_state_from_tensors({}, self.meta["optimizer"])["param_groups"]
+        return {"state": {i: LazyState(self, f"optim/{i}/") for i in indices}, "param_groups": groups}
+
+    def rng(self, rank: int) -> torch.Tensor:
+        key = f"rng/rank{rank}" if f"rng/rank{rank}" in self.index else "rng/rank0"
+        return self.full(key)
+
+
+class LazyState(Mapping):
+    """The tensors under one prefix of a checkpoint, read when first looked up (dict-like)."""
+
+    def __init__(self, reader: ShardedReader, prefix: str):
+        self.reader, self.prefix = reader, prefix
+        self._names = [k[len(prefix):] for k in reader.keys(prefix)]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self.reader.full(self.prefix + name)
+
+    def __contains__(self, name: object) -> bool:  # without reading the tensor
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def materialize(self) -> dict[str, torch.Tensor]:
+        return {name: self[name] for name in self._names}
+
+
+def materialized_optimizer_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict with every lazy per-parameter state read (for ``torch.optim`` loading)."""
+    return {"state": {i: dict(v) for i, v in state["state"].items()}, "param_groups": state["param_groups"]}
