@@ -121,8 +121,11 @@ class PipelineEngine:
         self.module.train(on)
 
     def comm_metrics(self) -> dict[str, float]:
-        return {"comm_bytes": float(self.sync.comm_bytes_last_step),
-                "comm_sent_bytes": float(self.all_reduce_fn.pop_bytes_sent())}
+        """The data-parallel gradient all-reduce plus this rank's point-to-point sends (``pp_sent_bytes``:
+        activations forward, their gradients backward, the tied table's gradient)."""
+        p2p = float(self.pipe.sent_bytes)
+        return {"comm_bytes": float(self.sync.comm_bytes_last_step) + p2p,
+                "comm_sent_bytes": float(self.all_reduce_fn.pop_bytes_sent()) + p2p, "pp_sent_bytes": p2p}
 
     def step_metrics(self) -> dict[str, float]:
         """Measured and theoretical bubble of the last step, and every stage rank's peak live activations."""

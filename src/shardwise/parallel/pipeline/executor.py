@@ -80,6 +80,8 @@ class Pipeline:
         self.plan = _plan(self.actions)
         self.forward_context = forward_context
         self.loss_scale = 1.0
+        self.sent_bytes = 0
+        """Bytes this rank sent point-to-point in the last step (activations, their gradients, tied grads)."""
 
     def parameters(self):
         """Every parameter of this rank's chunks (tied copies appear on each stage holding one)."""
@@ -99,6 +101,7 @@ class Pipeline:
         act_shape = (*x_mbs[0].shape, self.d_model)
         tl = self.timeline = Timeline(self.rank)
         tl.start = time.perf_counter()
+        self.sent_bytes = 0
         saved_in: dict[tuple[int, int], torch.Tensor] = {}
         saved_out: dict[tuple[int, int], torch.Tensor] = {}
         recvs: dict[tuple[str, int, int], tuple[torch.Tensor, dist.Work]] = {}
@@ -130,6 +133,7 @@ class Pipeline:
                 tl.events.append(Event(kind, self.stage(a.chunk), a.mb, t0, t1))
                 if kind == "send":
                     sends.append((work, tensor))
+                    self.sent_bytes += tensor.numel() * tensor.element_size()
                 else:
                     recvs[(a.kind, a.chunk, a.mb)] = (tensor, work)
             pending.clear()
@@ -222,6 +226,7 @@ class Pipeline:
                    dist.P2POp(dist.irecv, other, self.comm.stage_ranks[peer], self.comm.group, tag)]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+        self.sent_bytes += w.grad.numel() * w.grad.element_size()
         w.grad.add_(other)
 
 
