@@ -1,6 +1,6 @@
 """Predicted beside measured on CPU: activation bytes (the tensors autograd saves for backward)
 and model-state bytes of the layouts the trainer runs today (data parallel and ZeRO-1/2/3 on 2
-and 4 gloo ranks, fp32 states), to the byte."""
+and 4 gloo ranks, ZeRO++ hpZ, fp32 states), to the byte; a pipeline's point-to-point bytes."""
 
 from __future__ import annotations
 
@@ -68,11 +68,13 @@ def test_model_state_bytes_equal_the_trainers_tensors():
 
 ODD = {"model.d_model": 6, "model.n_heads": 2, "model.d_ff": 17}
 """A tiny GPT whose flat units are not multiples of 2 or 4 elements, so padding shows."""
-CASES = [(1, 0.001, 1), (2, 0.001, 1), (3, 25.0, 1), (3, 25.0, 2)]
-"""(ZeRO stage, parallel.bucket_mb, parallel.zero_unit): small buckets make several ZeRO-1/2 units."""
-TRAINED = (1, 2, 3)
-"""Stages also run through the trainer (two steps: --compare leaves out step 1), for ``shardwise plan --compare``;
-its runs use 1 kB buckets, so that ZeRO-1/2's units are padded too."""
+CASES = [(1, 0.001, 1, 1), (2, 0.001, 1, 1), (3, 25.0, 1, 1), (3, 25.0, 2, 1), (3, 25.0, 1, 2)]
+"""(ZeRO stage, parallel.bucket_mb, parallel.zero_unit, parallel.zero_hpz): small buckets make several
+ZeRO-1/2 units; hpZ 2 adds the secondary partitions of the non-root units."""
+TRAINED = {2: [(1, 1), (2, 1), (3, 1)], 4: [(1, 1), (2, 1), (3, 1), (3, 2)]}
+"""Per world size, (stage, zero_hpz) also run through the trainer (two steps: --compare leaves out
+step 1), for ``shardwise plan --compare``; its runs use 1 kB buckets, so that ZeRO-1/2's units are
+padded too."""
 
 
 def _odd_config(run_dir: Path, cache_dir: Path, nproc: int, **overrides) -> Config:
@@ -93,9 +95,9 @@ def _zero_bytes_on_rank(cases, jobs):
     from tests.test_train import _train_on_rank
 
     measured = []
-    for cfg, (stage, bucket_mb, zero_unit) in zip(jobs[0], cases, strict=True):
+    for cfg, (stage, bucket_mb, zero_unit, hpz) in zip(jobs[0], cases, strict=True):
         model = Transformer(cfg.model)
-        engine = ZeroDataParallel(model, stage=stage, bucket_mb=bucket_mb, unit_blocks=zero_unit)
+        engine = ZeroDataParallel(model, stage=stage, bucket_mb=bucket_mb, unit_blocks=zero_unit, hpz_size=hpz)
         opt = ZeroOptimizer(engine, build_optimizer(model, cfg.train))
         x = torch.randint(0, cfg.model.vocab_size, (2, 16))
         engine(x, x).backward()
@@ -115,9 +117,10 @@ def zero_runs(tmp_path_factory):
     out = {}
     for world in (2, 4):
         cfgs = [_odd_config(tmp / f"direct{world}", tmp / "cache", world, **{"parallel.zero": st}).resolve(
-            world_size=world, tokenizer_vocab=257) for st, _, _ in CASES]
-        runs = [(_odd_config(tmp / f"z{st}_w{world}", tmp / "cache", world, **{"parallel.zero": st}),
-                 str(tmp / f"z{st}_w{world}")) for st in TRAINED]
+            world_size=world, tokenizer_vocab=257) for st, _, _, _ in CASES]
+        runs = [(_odd_config(tmp / f"z{st}h{h}_w{world}", tmp / "cache", world,
+                             **{"parallel.zero": st, "parallel.zero_hpz": h}), str(tmp / f"z{st}h{h}_w{world}"))
+                for st, h in TRAINED[world]]
         replies = run_on_ranks(world, _zero_bytes_on_rank, CASES, (cfgs, runs))
         out[world] = ({rank: measured for rank, measured in replies}, [Path(r) for _, r in runs], cfgs[0])
     return out
@@ -132,31 +135,37 @@ def test_zero_layout_equals_the_engines_units(zero_runs, world):
     params = model_params(model_spec(cfg))
     b = STATE_CONVENTIONS["shardwise"].bytes()
     padded = False
-    for i, (stage, bucket_mb, zero_unit) in enumerate(CASES):
-        units = zero_units(params, stage, world, bucket_mb, zero_unit)
+    for i, (stage, bucket_mb, zero_unit, hpz) in enumerate(CASES):
+        units = zero_units(params, stage, world, bucket_mb, zero_unit, hpz)
         padded |= units.padding > 0
+        assert (units.secondary_numel > 0) == (hpz > 1)
         for rank in range(world):
             got = {k: v for k, v in per_rank[rank][i].items() if k in ("params", "grads", "master", "optimizer")}
-            assert engine_state_bytes(units, b, rank) == got, (stage, bucket_mb, zero_unit, rank)
+            assert engine_state_bytes(units, b, rank) == got, (stage, bucket_mb, zero_unit, hpz, rank)
     assert padded  # the test model really exercises the padding
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_planner_zero_bytes_equal_the_trainers_metrics(zero_runs, world, capsys):
-    """``shardwise plan --compare`` on ZeRO-1/2/3 runs: predicted model-state bytes and the bytes
-    handed to collectives (padded units; ZeRO-3's root gathered once) == measured."""
+    """``shardwise plan --compare`` on ZeRO-1/2/3 runs (and ZeRO-3 with hpZ 2 on 4 ranks): predicted
+    model-state bytes and the bytes handed to collectives (padded units; ZeRO-3's root gathered once;
+    hpZ's backward gathers counted at full size, as the engine does) == measured."""
     from shardwise.plan.compare import compare_run, measured_for_run, predicted_for_run
 
     _, run_dirs, _ = zero_runs[world]
+    params = {}
     for run_dir in run_dirs:
         cfg = Config.load(run_dir / "config.toml")
         pred, meas = predicted_for_run(cfg), measured_for_run(run_dir)
+        params[(cfg.parallel.zero, cfg.parallel.zero_hpz)] = meas["mem_params_bytes"]
         for key in ("mem_params_bytes", "mem_grads_bytes", "mem_master_bytes", "mem_optimizer_bytes",
                     "mem_total_bytes", "comm_bytes"):
             assert pred[key] == meas[key], (run_dir.name, key, pred[key], meas[key])
         assert compare_run(run_dir, as_json=False) == 0
         rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line}
         assert rows["mem_total_bytes"][-1] == "1.000"  # the printed measured/predicted ratio
+    if (3, 2) in params:  # the secondary partitions really are there
+        assert params[(3, 2)] > params[(3, 1)]
 
 
 def test_paper_formula_stays_visible():
@@ -167,3 +176,32 @@ def test_paper_formula_stays_visible():
     line = next(x for x in mem.lines if x.name == "mem_params_bytes")
     assert line.paper_bytes == 4 * (m.vocab_size * 6 + m.max_seq_len * 6 + 12 + 2 * 419) / 4
     assert line.bytes == 4 * (485 + 105 + 105) > line.paper_bytes and "padded" in line.formula
+
+
+# ---- pipeline: rank 0's point-to-point bytes --------------------------------------------------
+
+PP_RUNS = {
+    "1f1b-fp32": {"parallel.pp_schedule": "1f1b"},
+    "interleaved-bf16": {"parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2, "train.precision": "bf16"},
+}
+
+
+@pytest.mark.parametrize("name", list(PP_RUNS))
+def test_planner_pipeline_bytes_equal_the_trainers_metrics(tmp_path, name, capsys):
+    """pp=2, 4 micro-batches of 2, tiny GPT (tied table): ``pp_sent_bytes`` (fp32 activations and
+    their gradients sent by rank 0, plus the tied table's gradient), ``comm_bytes`` and
+    ``comm_sent_bytes`` predicted == measured, in bf16 too (the residual stream stays fp32)."""
+    from shardwise.plan.compare import compare_run, measured_for_run, predicted_for_run
+    from tests.test_train import run
+
+    run(tmp_path, tmp_path / "cache", "pp", 2, **{"model.n_layers": 4, "train.steps": 2, "parallel.pp": 2,
+                                                  "parallel.microbatches": 4}, **PP_RUNS[name])
+    run_dir = tmp_path / "pp"
+    pred, meas = predicted_for_run(Config.load(run_dir / "config.toml")), measured_for_run(run_dir)
+    v = PP_RUNS[name].get("parallel.pp_virtual", 1)
+    assert pred["pp_sent_bytes"] == (2 * v - 1) * 4 * (2 * 32 * 64 * 4) + 257 * 64 * 4  # 131328 with v = 1
+    for key in ("pp_sent_bytes", "comm_bytes", "comm_sent_bytes"):
+        assert pred[key] == meas[key], (name, key, pred[key], meas[key])
+    assert compare_run(run_dir) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line}
+    assert rows["pp_sent_bytes"][-1] == "1.000"

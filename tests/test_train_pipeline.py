@@ -88,8 +88,9 @@ def test_bubble_metrics_and_timeline(tmp_path, cache_dir):
     assert all(r["bubble_theory"] == pytest.approx(1 / 5) for r in steps)
     assert all(0.0 <= r["bubble"] < 1.0 for r in steps)
     assert all(r["pp_peak_live_0"] == 2 and r["pp_peak_live_1"] == 1 for r in steps)  # 1F1B: p - rank
-    # Rank 0 (stage 0) sends 4 activations of [2, 32, 64] fp32 and its half of the tied table's gradient.
-    assert all(r["pp_sent_bytes"] == 4 * 2 * 32 * 64 * 4 + 257 * 64 * 4 for r in steps)  # vocabulary: 256 bytes + 1 special
+    # Rank 0 (stage 0) sends 4 activations of [2, 32, 64] fp32 and its copy of the tied table's gradient
+    # (vocabulary 257: 256 bytes + 1 special token).
+    assert all(r["pp_sent_bytes"] == 4 * 2 * 32 * 64 * 4 + 257 * 64 * 4 for r in steps)
     doc = json.loads((tmp_path / "pp" / "timeline.json").read_text())
     assert doc["schedule"] == "1f1b" and len(doc["timelines"]) == 2
 

@@ -180,7 +180,7 @@ def _run(args, overrides: dict[str, str]) -> int:
     precision = cfg.train.precision
     result = search(m, s, cluster, fixed, global_batch, states, precision, args.attention, args.memory_fraction,
                     top=args.top, bucket_mb=cfg.parallel.bucket_mb,
-                    zero_unit=cfg.parallel.zero_unit)
+                    zero_unit=cfg.parallel.zero_unit, zero_hpz=cfg.parallel.zero_hpz)
     params = count_params(m)
     fpt = flops_per_token(m, s)
     peak = gpu.peak(precision)

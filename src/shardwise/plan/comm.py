@@ -26,6 +26,15 @@ and gradients back per micro-batch (Narayanan et al. 2021 §4.1, scatter/gather 
 parallelism passes K and V around a ring (Liu et al. 2023, "Ring Attention"); expert parallelism
 exchanges tokens with two all-to-alls in forward and two in backward per MoE layer (Lepikhin et
 al. 2020, "GShard" §2.3).
+
+ZeRO++ hpZ (Wang et al. 2023 §3.2) moves ZeRO-3's backward gathers inside a node but leaves
+their size alone: the engine counts each backward gather, from the secondary partitions or not,
+as the full unit buffer (shardwise.parallel.zero.stage3 ``_gather``), so ``comm_bytes`` is the
+same with and without it, and so is the prediction here.
+
+The pipeline item above is the busiest (middle) rank's volume in the planner's activation dtype,
+for the time model. What shardwise's trainer *measures* (``pp_sent_bytes``, on global rank 0) is
+:func:`pipeline_sent_bytes`.
 """
 
 from __future__ import annotations
@@ -187,3 +196,27 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
         tokens = lay.micro_batch * s_local * m.moe_top_k * m.d_model * act_bytes
         add("expert parallel", "all-to-all", lay.ep, tokens, 4 * layers * mb, st["ep"], "none")
     return items
+
+
+FP32_BYTES = 4
+
+
+def pipeline_sent_bytes(m: ModelSpec, lay: Layout, s: int, act_bytes: int = FP32_BYTES,
+                        grad_bytes: int = FP32_BYTES) -> float:
+    """Bytes global rank 0 (pipeline rank 0) sends point-to-point in one step: the trainer's
+    ``pp_sent_bytes`` (shardwise.parallel.pipeline.executor ``Pipeline.sent_bytes``).
+
+    Rank 0 holds stages c·p for chunks c = 0..v−1 (Narayanan et al. 2021 §2.2.2). Per micro-batch
+    each of them that is not the last stage sends its output activation forward (all v when p > 1),
+    and each that is not stage 0 sends its input's gradient back (v − 1): (2v − 1)·m messages of
+    [micro_batch, s, d_model]. They travel in **fp32** (``act_bytes``) whatever ``train.precision``
+    is: the trainer's residual stream stays fp32 under ``torch.autocast``, and the executor sends in
+    its ``act_dtype`` (fp32). With tied embeddings (GPT-2 flavour) stage 0 and the last stage add
+    their copies' gradients once per step (Press & Wolf 2017; the tied copies of Megatron-LM,
+    Narayanan et al. 2021 §3): rank 0 sends vocab·d_model gradient elements (``grad_bytes``)."""
+    p, v, mb = lay.pp, lay.pp_virtual, lay.grad_accum
+    if p <= 1:
+        return 0.0
+    message = lay.micro_batch * (s // lay.cp) * m.d_model * act_bytes
+    tied = m.vocab_size * m.d_model * grad_bytes if m.tie_embeddings else 0
+    return float((2 * v - 1) * mb * message + tied)

@@ -1,8 +1,8 @@
 """``shardwise plan --compare RUN_DIR``: a run's measured metrics beside the plan's predictions.
 
 Quantities share the trainer's metric names (``tokens_per_s``, ``step_time_s``, ``mfu``,
-``comm_bytes``, ``comm_sent_bytes``, ``mem_{params,grads,master,optimizer,total}_bytes``). Model-state
-bytes are compared category by category when the run logged them (the trainer's memory
+``comm_bytes``, ``comm_sent_bytes``, ``pp_sent_bytes``, ``mem_{params,grads,master,optimizer,total}_bytes``).
+Model-state bytes are compared category by category when the run logged them (the trainer's memory
 accountant, shardwise.train.memory); activations and buffers are not measured by the trainer
 yet, so the device total is set beside the process's peak RSS, which also holds the
 interpreter, torch and the data.
@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 
 from shardwise.config import Config
-from shardwise.plan.comm import comm_items
+from shardwise.plan.comm import comm_items, pipeline_sent_bytes
 from shardwise.plan.flops import flops_per_token
 from shardwise.plan.hardware import BUILTIN_GPUS, Cluster
 from shardwise.plan.memory import (
@@ -35,7 +35,14 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     """The plan of the layout a run's resolved config describes (data parallel or ZeRO, fp32 states).
 
     Model-state bytes are those of rank 0, the rank whose metrics the trainer logs; with ZeRO they
-    follow the engine's padded flat units (parallel.bucket_mb, parallel.zero_unit)."""
+    follow the engine's padded flat units (parallel.bucket_mb, parallel.zero_unit) and, with ZeRO++
+    hpZ (parallel.zero_hpz), its secondary partitions.
+
+    With a pipeline, communication is rank 0's too: the planner's "pipeline" item (a middle stage's
+    sends, in the compute dtype, for the time model) is replaced by ``pp_sent_bytes``
+    (:func:`~shardwise.plan.comm.pipeline_sent_bytes`): rank 0's own sends, in fp32 because the
+    trainer's residual stream stays fp32 under autocast, plus the tied table's gradient. The trainer
+    adds these bytes to both ``comm_bytes`` and ``comm_sent_bytes`` (point-to-point: payload = sent)."""
     m = model_spec(cfg)
     s = seq_len_of(cfg, m)
     p = cfg.parallel
@@ -43,17 +50,20 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     dp = p.dp or max(1, world // (p.tp * p.pp * p.cp))
     t = cfg.train
     lay = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, offload=p.offload if p.zero else "none",
-                 micro_batch=t.micro_batch or 1,
+                 pp_virtual=p.pp_virtual, micro_batch=t.micro_batch or 1,
                  grad_accum=t.grad_accum or 1, recompute=t.recompute if t.recompute in ("none", "full") else "none")
     states = STATE_CONVENTIONS["shardwise"]
     act_bytes = 4 if t.precision == "fp32" else 2
     mode = activation_mode(t.precision, states)
     mem = memory_breakdown(m, lay, s, states, attention="flash", act_mode=mode, bucket_mb=p.bucket_mb,
-                           zero_unit=p.zero_unit)
+                           zero_unit=p.zero_unit, zero_hpz=p.zero_hpz)
     cluster = Cluster(BUILTIN_GPUS["H100"], gpus_per_node=world)  # placement only; times are not compared
-    items = comm_items(m, lay, s, states, cluster, act_bytes, exact_zero_units(m, lay, p.bucket_mb, p.zero_unit))
+    units = exact_zero_units(m, lay, p.bucket_mb, p.zero_unit, zero_hpz=p.zero_hpz)
+    items = [c for c in comm_items(m, lay, s, states, cluster, act_bytes, units) if c.technique != "pipeline"]
+    p2p = pipeline_sent_bytes(m, lay, s)
     out = {"parameters": float(count_params(m).total), "flops_per_token": flops_per_token(m, s),
-           "comm_bytes": sum(c.total_payload for c in items), "comm_sent_bytes": sum(c.sent_bytes for c in items),
+           "comm_bytes": sum(c.total_payload for c in items) + p2p,
+           "comm_sent_bytes": sum(c.sent_bytes for c in items) + p2p, "pp_sent_bytes": p2p,
            "mem_device_bytes": mem.total()}
     out.update(mem.by_metric())
     for k in MODEL_STATE_METRICS:  # the accountant counts offloaded states too, wherever they live
@@ -94,6 +104,8 @@ def compare_run(run_dir: Path, as_json: bool = False) -> int:
     rows = [("comm_bytes", pred["comm_bytes"], meas.get("comm_bytes")),
             ("comm_sent_bytes", pred["comm_sent_bytes"], meas.get("comm_sent_bytes")),
             ("mem_device_bytes vs mem_peak_rss_bytes", pred["mem_device_bytes"], meas.get("mem_peak_rss_bytes"))]
+    if cfg.parallel.pp > 1:
+        rows.insert(2, ("pp_sent_bytes", pred["pp_sent_bytes"], meas.get("pp_sent_bytes")))
     rows += [(k, pred[k], meas.get(k)) for k in (*MEMORY_METRICS, "mem_total_bytes")]
     rows += [(k, None, meas.get(k)) for k in ("tokens_per_s", "step_time_s", "mfu")]
     rows += [("parameters", pred["parameters"], None), ("flops_per_token", pred["flops_per_token"], None)]

@@ -187,23 +187,35 @@ def params_per_rank(m: ModelSpec, lay: Layout) -> tuple[float, float]:
     return layers * dense_block + extra, layers * experts
 
 
+def hpz_of(lay: Layout, zero_hpz: int = 1) -> int:
+    """The hpZ size ``parallel.zero_hpz`` where it applies to ``lay`` (ZeRO-3, h dividing N_d = dp·cp),
+    else 1: a search holding ``zero_hpz`` fixed also visits layouts it does not apply to."""
+    return zero_hpz if lay.zero == 3 and zero_hpz > 1 and (lay.dp * lay.cp) % zero_hpz == 0 else 1
+
+
 def exact_zero_units(m: ModelSpec, lay: Layout, bucket_mb: float = 25.0, zero_unit: int = 1,
-                     params: list[ParamEntry] | None = None) -> ZeroUnits | None:
+                     params: list[ParamEntry] | None = None, zero_hpz: int = 1) -> ZeroUnits | None:
     """The engine's padded flat units (:mod:`shardwise.plan.zero_layout`) when the layout is one the
-    ZeRO engine runs (ZeRO >= 1, dense model, no tp/pp/cp); None otherwise (the paper's formula)."""
+    ZeRO engine runs (ZeRO >= 1, dense model, no tp/pp/cp); None otherwise (the paper's formula).
+    ``zero_hpz`` is ``parallel.zero_hpz`` (ZeRO++ hpZ secondary partitions, see :func:`hpz_of`)."""
     if lay.zero == 0 or m.n_experts or lay.tp * lay.pp * lay.cp != 1:
         return None
-    return zero_units(params if params is not None else model_params(m), lay.zero, lay.dp, bucket_mb, zero_unit)
+    return zero_units(params if params is not None else model_params(m), lay.zero, lay.dp, bucket_mb, zero_unit,
+                      hpz_of(lay, zero_hpz))
 
 
 def model_state_lines(m: ModelSpec, lay: Layout, states: StateDtypes, out: MemoryBreakdown,
-                      units: ZeroUnits | None = None) -> None:
+                      units: ZeroUnits | None = None, zero_hpz: int = 1) -> None:
     """Weights, gradients, master weights and optimizer states of one rank; expert parameters
     are sharded over their own data-parallel group of dp·cp/ep ranks.
 
     With ``units`` (:func:`exact_zero_units`) the bytes are the engine's, to the byte, on its
     busiest rank (rank 0): each flat unit padded to a multiple of N_d; the paper's unpadded
-    Ψ/N_d value is kept in each line's ``paper_bytes`` and formula."""
+    Ψ/N_d value is kept in each line's ``paper_bytes`` and formula.
+
+    ZeRO++ hpZ (``zero_hpz`` = h, ZeRO-3; Wang et al. 2023 §3.2) adds the secondary partitions to
+    the parameters: the engine's Σ_u padded_u/h over the non-root units with ``units``, else the
+    paper's M/h (Ψ_rank/h weights)."""
     dense, expert = params_per_rank(m, lay)
     shard = lay.dp * lay.cp
     z = zero_model_states(dense, shard, lay.zero, states)
@@ -223,6 +235,12 @@ def model_state_lines(m: ModelSpec, lay: Layout, states: StateDtypes, out: Memor
             kind = "root + block units" if lay.zero == 3 else "reverse-order buckets"
             formula += (f"; engine: {len(units.numels)} flat units ({kind}), each padded to a multiple of "
                         f"N_d={lay.dp} (+{units.padding} elements), rank 0 (paper: {paper:,.0f} B)")
+            if key == "params" and units.secondary_numel:
+                formula += (f"; + hpZ secondary partitions {units.secondary_numel:,} elements "
+                            f"(non-root units' padded/h, h={units.hpz})")
+        elif key == "params" and (h := hpz_of(lay, zero_hpz)) > 1:
+            value += dense * b["params"] / h
+            formula += f" + hpZ secondary partition Psi_rank/h (h={h}, ZeRO++ §3.2)"
             if key == "master" and b[key] == 0:
                 formula = "4 B x own slice: fp32 master pieces kept apart for offload (engine's MasterStore)"
         if key in offloaded:
@@ -357,13 +375,14 @@ def buffer_lines(m: ModelSpec, lay: Layout, states: StateDtypes, out: MemoryBrea
 
 def memory_breakdown(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, attention: str = "flash",
                      act_mode: str = "16bit", bucket_mb: float = 25.0, zero_unit: int = 1,
-                     params: list[ParamEntry] | None = None) -> MemoryBreakdown:
+                     params: list[ParamEntry] | None = None, zero_hpz: int = 1) -> MemoryBreakdown:
     """Every memory line of one rank for ``lay``; ``act_mode`` from :func:`activation_mode`.
-    ``bucket_mb`` and ``zero_unit`` are ``parallel.bucket_mb`` / ``parallel.zero_unit``; ``params``
-    (:func:`shardwise.plan.zero_layout.model_params`, built when needed) saves rebuilding the
-    model's parameter list for every layout of a search."""
+    ``bucket_mb``, ``zero_unit`` and ``zero_hpz`` are ``parallel.bucket_mb`` / ``parallel.zero_unit`` /
+    ``parallel.zero_hpz``; ``params`` (:func:`shardwise.plan.zero_layout.model_params`, built when
+    needed) saves rebuilding the model's parameter list for every layout of a search."""
     out = MemoryBreakdown()
-    model_state_lines(m, lay, states, out, exact_zero_units(m, lay, bucket_mb, zero_unit, params))
+    model_state_lines(m, lay, states, out, exact_zero_units(m, lay, bucket_mb, zero_unit, params, zero_hpz),
+                      zero_hpz)
     activation_lines(m, lay, s, out, attention, act_mode)
     buffer_lines(m, lay, states, out, bucket_mb)
     return out

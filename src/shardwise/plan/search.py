@@ -57,12 +57,12 @@ def _divisors(n: int) -> list[int]:
 
 def evaluate(m: ModelSpec, lay: Layout, s: int, cluster: Cluster, states: StateDtypes, precision: str,
              attention: str = "flash", bucket_mb: float = 25.0, zero_unit: int = 1,
-             params: list[ParamEntry] | None = None) -> Candidate:
-    """Memory and time of one layout (no checks); ``params`` as for :func:`memory_breakdown`."""
+             params: list[ParamEntry] | None = None, zero_hpz: int = 1) -> Candidate:
+    """Memory and time of one layout (no checks); ``params`` and ``zero_hpz`` as for :func:`memory_breakdown`."""
     act_bytes = 4 if precision == "fp32" else 2
     mem = memory_breakdown(m, lay, s, states, attention, activation_mode(precision, states), bucket_mb, zero_unit,
-                           params)
-    units = exact_zero_units(m, lay, bucket_mb, zero_unit, params) if params is not None else None
+                           params, zero_hpz)
+    units = exact_zero_units(m, lay, bucket_mb, zero_unit, params, zero_hpz) if params is not None else None
     return Candidate(lay, mem, step_time(m, lay, s, cluster, states, precision, act_bytes, units))
 
 
@@ -95,12 +95,14 @@ def check(m: ModelSpec, lay: Layout, s: int, cluster: Cluster) -> str | None:
 
 def search(m: ModelSpec, s: int, cluster: Cluster, fixed: dict, global_batch: int | None, states: StateDtypes,
            precision: str = "bf16", attention: str = "flash", memory_fraction: float = 0.9, top: int = 10,
-           bucket_mb: float = 25.0, max_micro_batch: int = 64, zero_unit: int = 1) -> SearchResult:
+           bucket_mb: float = 25.0, max_micro_batch: int = 64, zero_unit: int = 1,
+           zero_hpz: int = 1) -> SearchResult:
     """Every layout agreeing with ``fixed`` (Layout field -> value), ranked by tokens/s.
 
     ``global_batch`` None means micro_batch·grad_accum·dp from ``fixed``. A layout fits when its
     device bytes are at most ``memory_fraction`` of the GPU's memory (the rest is the framework,
-    allocator fragmentation and kernels' workspace)."""
+    allocator fragmentation and kernels' workspace). ``zero_hpz`` (``parallel.zero_hpz``) adds ZeRO++
+    hpZ's secondary partitions to the ZeRO-3 layouts whose dp·cp it divides."""
     world = cluster.world
 
     def opts(name, default):
@@ -150,7 +152,7 @@ def search(m: ModelSpec, s: int, cluster: Cluster, fixed: dict, global_batch: in
                                             drop(why, lay)
                                             continue
                                         cand = evaluate(m, lay, s, cluster, states, precision, attention, bucket_mb,
-                                                        zero_unit, params)
+                                                        zero_unit, params, zero_hpz)
                                         if cand.mem_bytes > budget:
                                             drop(f"does not fit in {memory_fraction:.0%} of "
                                                  f"{cluster.gpu.memory_bytes / 1e9:.0f} GB", lay)

@@ -13,6 +13,13 @@ n_u/N. The units are (``ZeroDataParallel._unit_groups``):
 * ZeRO-3: ``parallel.zero_unit`` transformer blocks per unit, plus a root unit holding every other
   parameter (embeddings, final norm, untied head).
 
+With ZeRO++ hierarchical partitioning (hpZ, ``parallel.zero_hpz = h``; Wang et al. 2023,
+"ZeRO++", §3.2; shardwise.parallel.zero.hpz) a ZeRO-3 rank also keeps, from each unit's forward
+gather to its backward gather, a *secondary partition* of that unit sharded over the h ranks of
+its node: ``padded_numel // h`` elements per unit, for every unit but the root (which stays
+gathered from forward to backward). The accountant counts their capacity with the parameters
+(``NodePartition.nbytes``, added in ``ZeroDataParallel.model_state_bytes``).
+
 What a rank holds (the accountant, shardwise.train.memory): parameters — the padded full buffers
 (stages 1, 2) or the padded slices (stage 3); gradients — the padded full buffers (stage 1) or
 the padded slices (stages 2, 3); optimizer states and separate master weights — one entry per
@@ -102,6 +109,16 @@ class ZeroUnits:
     n_tensors: int = 0
     """Parameter tensors in all units: the engine all-reduces one uint8 "had a gradient" flag per
     tensor each step (``ZeroDataParallel._agree_on_grads``)."""
+    hpz: int = 1
+    """ZeRO-3 hpZ secondary-partition size h (``parallel.zero_hpz``; 1 = off)."""
+
+    @property
+    def secondary_numel(self) -> int:
+        """hpZ: elements of the secondary partitions a rank holds, Σ over non-root units of
+        ``padded_numel // h`` (shardwise.parallel.zero.hpz ``NodePartition.secondary_numel``)."""
+        if self.stage != 3 or self.hpz <= 1:
+            return 0
+        return sum(p // self.hpz for p in self.padded_numels[self.root_units:])
 
     @property
     def shard_numels(self) -> tuple[int, ...]:
@@ -131,26 +148,30 @@ class ZeroUnits:
                    for n, s in zip(self.numels, self.shard_numels, strict=True))
 
     def state_elements(self, rank: int = 0) -> dict[str, int]:
-        """Elements per category on ``rank`` (multiply by each state's bytes per element)."""
+        """Elements per category on ``rank`` (multiply by each state's bytes per element); ZeRO-3's
+        parameters include the hpZ secondary partitions (:attr:`secondary_numel`)."""
         shard, padded = sum(self.shard_numels), self.psi_padded
         own = self.owned(rank)
-        return {"params": shard if self.stage >= 3 else padded,
+        return {"params": shard + self.secondary_numel if self.stage >= 3 else padded,
                 "grads": padded if self.stage == 1 else shard,
                 "master": own, "optimizer": own}
 
 
 def zero_units(params: list[ParamEntry], stage: int, world: int, bucket_mb: float = 25.0,
-               zero_unit: int = 1) -> ZeroUnits:
-    """The units ``ZeroDataParallel(model, stage=stage, bucket_mb=..., unit_blocks=zero_unit)``
-    builds on ``world`` data-parallel ranks, for the parameters ``params`` (:func:`model_params`)."""
+               zero_unit: int = 1, hpz: int = 1) -> ZeroUnits:
+    """The units ``ZeroDataParallel(model, stage=stage, bucket_mb=..., unit_blocks=zero_unit,
+    hpz_size=hpz)`` builds on ``world`` data-parallel ranks, for the parameters ``params``
+    (:func:`model_params`)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage {stage}; the engine has units for stages 1, 2 and 3")
+    if hpz != 1 and (stage != 3 or world % hpz):
+        raise ValueError(f"hpZ size {hpz} needs ZeRO-3 and must divide the data-parallel size {world}")
     if stage == 3:
         groups = stage3_numels(params, zero_unit)
     else:
         groups = bucket_numels([p.numel for p in params], bucket_mb)
     return ZeroUnits(stage, world, tuple(sum(g) for g in groups), root_units=1 if stage == 3 else 0,
-                     n_tensors=sum(len(g) for g in groups))
+                     n_tensors=sum(len(g) for g in groups), hpz=hpz)
 
 
 def engine_state_bytes(units: ZeroUnits, b: dict[str, int], rank: int = 0,
