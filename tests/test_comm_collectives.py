@@ -203,12 +203,16 @@ def _missing_peer() -> list[str]:
     process -- ``gloo::EnforceNotMet`` -- which is loud but kills the worker.)"""
     import torch.distributed as dist
 
+    from shardwise.config import CommConfig
     from shardwise.dist.comm import all_reduce, gather
+    from shardwise.dist.comm.compress import gradient_all_reduce
 
+    gradients = gradient_all_reduce(CommConfig(algorithm="ring", timeout_s=2.0))  # comm.timeout_s
     out = []
     for call in (lambda g: all_reduce(torch.ones(1000), group=g, algorithm="ring", timeout_s=2),
                  lambda g: all_reduce(torch.ones(1000), group=g, algorithm="ring", timeout_s=2, verify=False),
-                 lambda g: gather(torch.ones(10), torch.ones(20), 0, g, "tree", timeout_s=2, verify=False)):
+                 lambda g: gather(torch.ones(10), torch.ones(20), 0, g, "tree", timeout_s=2, verify=False),
+                 lambda g: gradients(torch.ones(1000), g)):
         group = dist.new_group(list(range(dist.get_world_size())))
         if dist.get_rank() == 1:
             continue
@@ -240,7 +244,8 @@ def test_mismatched_tensor_is_a_clear_error(world):
 
 
 def test_missing_peer_times_out_naming_the_collective():
-    check, transfer, tree = run_on_ranks(2, _missing_peer, timeout=120)[0]
+    check, transfer, tree, grads = run_on_ranks(2, _missing_peer, timeout=120)[0]
     assert check.startswith("TimeoutError") and "all_reduce/ring (metadata check)" in check, check
     assert transfer.startswith("TimeoutError") and "all_reduce/ring: timed out" in transfer, transfer
     assert tree.startswith("TimeoutError") and "gather/tree: timed out" in tree, tree
+    assert grads.startswith("TimeoutError") and "all_reduce/ring" in grads, grads

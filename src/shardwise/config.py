@@ -205,6 +205,10 @@ class CommConfig:
     """Fraction of gradient entries "topk" sends each step, in (0, 1]."""
     node_size: int = 0
     """Ranks per node for "hierarchical" (0: 2) and row length for "torus" (0: most square grid)."""
+    timeout_s: float = 0.0
+    """Seconds a gradient all-reduce waits for a peer before failing with an error naming the
+    collective (0: the process group's parallel.timeout_s, which also bounds the backend's own
+    uncompressed "native" all-reduce)."""
 
 
 @dataclass
@@ -648,6 +652,7 @@ def _validate_misc(cfg: Config) -> None:
     if not 0 < cfg.comm.topk_ratio <= 1:
         raise ConfigError(f"comm.topk_ratio={cfg.comm.topk_ratio} is not valid; use a fraction in (0, 1]")
     _positive("comm.node_size", cfg.comm.node_size, allow_zero=True)
+    _positive("comm.timeout_s", cfg.comm.timeout_s, allow_zero=True)
     _positive("ckpt.every", cfg.ckpt.every, allow_zero=True)
     _positive("ckpt.keep", cfg.ckpt.keep)
 

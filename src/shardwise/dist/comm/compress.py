@@ -69,16 +69,19 @@ class GradientAllReduce:
         topk_ratio: fraction of entries top-k sends.
         node_size: ranks per node for "hierarchical" / row length for "torus".
         int8_chunk: values per int8 scale.
+        timeout_s: bound on every wait of the collectives it runs (a peer that never arrives is a
+            ``TimeoutError`` naming the collective); None: the process group's timeout.
     """
 
     def __init__(self, algorithm: str = "native", compression: str = "none", topk_ratio: float = 0.01,
-                 node_size: int | None = None, int8_chunk: int = 256):
+                 node_size: int | None = None, int8_chunk: int = 256, timeout_s: float | None = None):
         if compression not in COMPRESSIONS:
             raise ValueError(f"comm.compression={compression!r} is not valid; use one of {', '.join(COMPRESSIONS)}")
         if not 0 < topk_ratio <= 1:
             raise ValueError(f"comm.topk_ratio={topk_ratio} must be in (0, 1]")
         self.algorithm, self.compression = algorithm, compression
         self.topk_ratio, self.node_size, self.int8_chunk = topk_ratio, node_size or None, int8_chunk
+        self.timeout_s = timeout_s
         self.stats = CommStats()
         self._models: dict[int, CostModel] = {}
         self._residual: dict[tuple, torch.Tensor] = {}
@@ -125,6 +128,7 @@ class GradientAllReduce:
                 if wire is flat:  # the backend's own, asynchronous: overlaps the rest of backward
                     return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
             all_reduce(wire, "sum", group, alg, node_size=self.node_size, stats=self.stats,
+                       timeout_s=self.timeout_s,
                        verify=self._first("all_reduce", id(group), wire.numel(), wire.dtype, alg))
             if wire is not flat:
                 flat.copy_(wire)
@@ -141,6 +145,7 @@ class GradientAllReduce:
         if native:
             self._count_native("all_gather", out.numel(), n)
         all_gather(out, inp, group, "native" if native else "ring", stats=self.stats,
+                   timeout_s=self.timeout_s,
                    verify=self._first("all_gather", id(group), inp.numel(), inp.dtype))
 
     def _topk(self, flat: torch.Tensor, group, n: int, native: bool, key: tuple) -> None:
@@ -171,6 +176,7 @@ class GradientAllReduce:
         if native:
             self._count_native("all_to_all", packets.numel(), n)
         all_to_all(received, packets, group, "native" if native else "pairwise", stats=self.stats,
+                   timeout_s=self.timeout_s,
                    verify=self._first("all_to_all", id(group), packets.numel(), packets.dtype))
         block = server  # my block: the sum of every rank's dequantized piece, in rank order, plus my error
         total = torch.zeros(B)
@@ -198,4 +204,4 @@ class GradientAllReduce:
 def gradient_all_reduce(comm_cfg) -> GradientAllReduce:
     """The all-reduce a :class:`shardwise.config.CommConfig` asks for."""
     return GradientAllReduce(comm_cfg.algorithm, comm_cfg.compression, comm_cfg.topk_ratio,
-                             comm_cfg.node_size or None)
+                             comm_cfg.node_size or None, timeout_s=comm_cfg.timeout_s or None)
