@@ -3,7 +3,7 @@
 ``Config.resolve()`` is the trainer's gate and rejects layouts the trainer cannot run yet
 (tp/pp/cp/ep != 1, ZeRO, offload). The planner must reason about every layout, so it has its own
 resolution path: it reuses the config dataclasses and the preset logic of
-:func:`shardwise.config._resolve_model`, and checks only what the arithmetic needs.
+:func:`shardwise.config_resolve.resolve_model`, and checks only what the arithmetic needs.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardwise.config import Config, ConfigError, ModelConfig, _resolve_model
+from shardwise.config import Config, ConfigError, ModelConfig
+from shardwise.config_resolve import resolve_model
 
 BYTE_VOCAB = 257
 """Vocabulary of the byte tokenizer (shardwise.data.tokenizer.ByteTokenizer)."""
@@ -96,7 +97,7 @@ def model_spec(cfg: Config, n_experts: int = 0, moe_top_k: int = 2) -> ModelSpec
     for "bpe", or the tokenizer file's vocabulary."""
     m: ModelConfig = dataclasses.replace(cfg.model)
     vocab = _tokenizer_vocab(cfg) if m.vocab_size is None else None
-    _resolve_model(m, vocab)
+    resolve_model(m, vocab)
     if m.max_seq_len is None:
         m.max_seq_len = cfg.data.seq_len
     if m.max_seq_len is None:

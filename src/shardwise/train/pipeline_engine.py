@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.config import Config, pipeline_partition
+from shardwise.config import Config
+from shardwise.config_resolve import pipeline_partition
 from shardwise.dist.comm.compress import gradient_all_reduce
 from shardwise.dist.mesh import Mesh
 from shardwise.model import Transformer
