@@ -161,6 +161,7 @@ def test_planner_zero_bytes_equal_the_trainers_metrics(zero_runs, world, capsys)
         for key in ("mem_params_bytes", "mem_grads_bytes", "mem_master_bytes", "mem_optimizer_bytes",
                     "mem_total_bytes", "comm_bytes"):
             assert pred[key] == meas[key], (run_dir.name, key, pred[key], meas[key])
+        assert pred["comm_sent_bytes"] == pytest.approx(meas["comm_sent_bytes"], rel=1e-12), run_dir.name
         assert compare_run(run_dir, as_json=False) == 0
         rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line}
         assert rows["mem_total_bytes"][-1] == "1.000"  # the printed measured/predicted ratio

@@ -166,10 +166,9 @@ class ZeroEngine(DataParallelEngine):
 
     def comm_metrics(self) -> dict[str, float]:
         """``comm_bytes``: the buffers handed to all-gather / reduce-scatter this step; ``comm_sent_bytes``:
-        what one rank sends of them in a ring, (N - 1) / N (Thakur et al. 2005 §4), as the cost model counts."""
-        n = self.mesh.dp_size
+        what one rank sends of them in ring algorithms, as the cost model counts."""
         payload = self.wrapper.pop_comm_bytes()
-        return {"comm_bytes": float(payload), "comm_sent_bytes": float(payload * (n - 1) / n)}
+        return {"comm_bytes": float(payload), "comm_sent_bytes": float(self.wrapper.pop_comm_sent_bytes(payload))}
 
     def checkpoint_pieces(self) -> tuple[list[Piece], list[dict] | None]:
         """Every rank writes the slices of the parameters and optimizer moments in its own shard;

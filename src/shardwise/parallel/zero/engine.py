@@ -128,6 +128,7 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.comm_bytes_last_step = 0
+        self.all_reduce_bytes_last_step = 0
         """Bytes handed to collectives in the last step (reduce-scatter inputs plus gathers)."""
         if hpz_size > 1 and hpz_group is None:
             hpz_group = node_groups(group, hpz_size)
@@ -291,6 +292,14 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
     def pop_comm_bytes(self) -> int:
         n, self.comm_bytes_last_step = self.comm_bytes_last_step, 0
         return n
+
+    def pop_comm_sent_bytes(self, payload: int) -> float:
+        """What one rank sends of ``payload`` (this step's ``pop_comm_bytes()``) in ring algorithms
+        (Thakur et al. 2005 §4): (N - 1) / N of reduce-scattered and all-gathered buffers, 2 (N - 1) / N
+        of the all-reduced "had a gradient" flags."""
+        n = self.world
+        flags, self.all_reduce_bytes_last_step = self.all_reduce_bytes_last_step, 0
+        return (payload - flags) * (n - 1) / n + flags * 2 * (n - 1) / n
 
     def pop_gather_traffic(self) -> dict[str, int]:
         """Bytes this rank received in parameter gathers since the last call, by phase and by

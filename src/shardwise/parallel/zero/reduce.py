@@ -119,6 +119,7 @@ class GradReduction:
         if self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             self.comm_bytes_last_step += flags.numel()
+            self.all_reduce_bytes_last_step += flags.numel()  # of comm_bytes: all-reduced, not scattered
         flags, base = flags.tolist(), 0
         for u in self.units:
             u.had_grad = [bool(f) for f in flags[base:base + len(u.params)]]
