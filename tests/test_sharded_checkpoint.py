@@ -43,6 +43,11 @@ def test_zero3_ranks_write_their_own_slices(tmp_path, cache_dir):
         assert torch.equal(model[name], value), name
     moments = reader.optimizer_state()["state"]
     assert all({"step", "exp_avg", "exp_avg_sq"} <= set(st) for st in moments.values())
+    # A range across the two ranks' pieces, read without assembling the whole tensor.
+    (_, _, _, boundary), *_ = sorted(table["pieces"], key=lambda p: p[2])
+    full = model["tok_emb.weight"].reshape(-1)
+    across = reader.slice("model/tok_emb.weight", boundary - 5, boundary + 7)
+    assert torch.equal(across, full[boundary - 5:boundary + 7])
 
 
 def test_pipeline_stages_write_their_own_layers(tmp_path, cache_dir):

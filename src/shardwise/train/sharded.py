@@ -141,6 +141,26 @@ class ShardedReader:
             raise CheckpointError(f"checkpoint {self.path}: tensor {key!r} lacks elements {pos}..{numel}")
         return out.view(info["shape"])
 
+    def slice(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened tensor ``key``, reading only the overlapping
+        ranges of its pieces (``safe_open(...).get_slice``): what a ZeRO rank needs of a moment."""
+        if key not in self.index:
+            raise CheckpointError(f"checkpoint {self.path} holds no tensor {key!r}")
+        info = self.index[key]
+        out = torch.empty(stop - start, dtype=getattr(torch, info["dtype"]))
+        pos = start
+        for file, entry, a, b in sorted(info["pieces"], key=lambda p: (p[2], -p[3])):
+            if b <= pos or a >= stop:
+                continue
+            if a > pos:
+                raise CheckpointError(f"checkpoint {self.path}: tensor {key!r} lacks elements {pos}..{a}")
+            hi = min(b, stop)
+            out[pos - start:hi - start] = self._file(file).get_slice(entry)[pos - a:hi - a]
+            pos = hi
+        if pos < stop:
+            raise CheckpointError(f"checkpoint {self.path}: tensor {key!r} lacks elements {pos}..{stop}")
+        return out
+
     def model_state(self) -> LazyState:
         return LazyState(self, "model/")
 
@@ -175,6 +195,13 @@ class LazyState(Mapping):
 
     def __len__(self) -> int:
         return len(self._names)
+
+    def ndim(self, name: str) -> int:
+        return len(self.reader.index[self.prefix + name]["shape"])
+
+    def read_slice(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened tensor ``name`` only."""
+        return self.reader.slice(self.prefix + name, start, stop)
 
     def materialize(self) -> dict[str, torch.Tensor]:
         return {name: self[name] for name in self._names}

@@ -213,10 +213,21 @@ class ZeroOptimizer:
                     if uu is not u or ref_i not in saved_state:
                         continue
                     new = {}
-                    for k, v in saved_state[ref_i].items():
+                    saved = saved_state[ref_i]
+                    for k in saved:
+                        v = _piece_of(saved, k, pc.start, pc.stop)
                         if isinstance(v, torch.Tensor) and v.dim() > 0:
-                            v = v.reshape(-1)[pc.start:pc.stop].to(m.device, torch.float32)
+                            v = v.to(m.device, torch.float32)
                         elif isinstance(v, torch.Tensor):
                             v = v.clone().cpu() if m.device.type == "cpu" else v.clone()
                         new[k] = v
                     self.inner.state[m] = new
+
+
+def _piece_of(saved, key: str, start: int, stop: int):
+    """Elements ``[start, stop)`` of the flattened per-parameter state ``saved[key]`` (scalars whole).
+    A checkpoint reader's lazy state (``read_slice``) reads only those elements from its files."""
+    if hasattr(saved, "read_slice") and saved.ndim(key) > 0:
+        return saved.read_slice(key, start, stop)
+    v = saved[key]
+    return v.reshape(-1)[start:stop] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
