@@ -8,6 +8,12 @@ uses a plain ``dist.all_reduce`` of the gradients over the dp group once, after 
 The global gradient norm across stages equals the reference's (for clipping).
 Weights of every stage equal the full model's exactly. All multi-process cases of one world size run
 in one harness call.
+
+ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3.1): split backward (B, then W), the
+simulated bubble equals (p - 1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W) + that) for m >= p, peak live
+micro-batches stay <= p, and pp in {2, 4} with m in {p - 1, p, 2p + 1} equals one process (same
+tolerance); with block recomputation and bf16 autocast its gradients equal 1F1B's on the same
+micro-batches (every nn.Linear weight/bias bit-equal, the rest within 1e-6).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from shardwise.parallel.pipeline import (
     simulate,
     split_microbatches,
     theoretical_bubble,
+    zb_h1_bubble,
 )
 from tests.harness import run_on_ranks
 
@@ -141,6 +148,39 @@ def test_clear_errors_before_spawning():
         check_pipeline(8, 2, "1f1b", 2, 8, virtual=2)
     with pytest.raises(ValueError, match="does not split"):
         split_microbatches(torch.zeros(5, 3), 2)
+    with pytest.raises(ValueError, match="pp_virtual=2 needs pp_schedule='interleaved'"):
+        check_pipeline(8, 2, "zb-h1", 2, 8, virtual=2)
+    check_pipeline(4, 2, "zb-h1", 1, 8)  # any m >= 1 runs (m < p without a steady state)
+
+
+def test_zb_h1_action_order():
+    """Qi et al. 2024 Fig. 3 (ZB-H1) for p=2, m=4: rank 1 holds back one W, rank 0 none."""
+    order = [[f"{a.kind}{a.mb}" for a in compute_order("zb-h1", r, 2, 4)] for r in range(2)]
+    assert order[0] == "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3".split()
+    assert order[1] == "F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3".split()
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zb_h1_schedule_is_complete_deadlock_free_and_matches_theory(p):
+    for m in sorted({max(p - 1, 1), p, 2 * p + 1, 3 * p}):
+        acts = build_schedule("zb-h1", p, m)
+        for r in range(p):
+            order = compute_order("zb-h1", r, p, m)
+            assert sorted((a.kind, a.mb) for a in order) == sorted((k, i) for k in "FBW" for i in range(m))
+            pos = {(a.kind, a.mb): n for n, a in enumerate(order)}
+            assert all(pos["F", i] < pos["B", i] < pos["W", i] for i in range(m))
+        assert [peak_live(a) for a in acts] == [min(p, m)] * p  # 1F1B's peak on rank 0, on every rank
+        for t_f, t_b, t_w in ((1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (1.0, 1.5, 0.5)):
+            makespan, spans = simulate(acts, t_f, t_b, t_w)
+            bubble = 1 - sum(e[4] - e[3] for r in spans for e in r) / (p * makespan)
+            theory = zb_h1_bubble(p, m, t_f, t_b, t_w)
+            if m >= p:
+                assert abs(bubble - theory) < 1e-9, (m, t_f, t_b, t_w, bubble, theory)
+            else:  # no steady state: the cool-down has fewer W passes than it would need
+                assert theory <= bubble < theoretical_bubble(p, m), (m, bubble)
+            one_f_one_b, spans = simulate(build_schedule("1f1b", p, m), t_f, t_b + t_w)
+            assert makespan < one_f_one_b
+    assert zb_h1_bubble(4, 8) == pytest.approx(3 / 27) and theoretical_bubble(4, 8) == pytest.approx(3 / 11)
 
 
 # ---- equivalence with one process (multi-process) -----------------------------------------------
@@ -202,6 +242,47 @@ def _run_cases(cases: list[tuple]) -> list[dict]:
     return [_check_case(*case) for case in cases]
 
 
+def _zb_against_1f1b(pp: int, m: int, recompute: bool, autocast: bool) -> dict:
+    """ZB-H1 and 1F1B on the same stages and micro-batches (pp ranks, dp=1): the same loss, every
+    nn.Linear gradient bit-equal, the rest within ATOL; ZB-H1 keeps <= p micro-batches live."""
+    from torch import nn
+
+    from shardwise.train.recompute import checkpoint_module
+
+    cfg, seed = _cfg(4), 5
+    gen = torch.Generator().manual_seed(77)
+    tokens = torch.randint(0, cfg.vocab_size, (2 * m, SEQ), generator=gen)
+    targets = torch.randint(0, cfg.vocab_size, (2 * m, SEQ), generator=gen)
+    r, stage_ranks = dist.get_rank(), list(range(pp))
+    split = partition(cfg, pp, "even")
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else None
+    runs = {}
+    for schedule in ("1f1b", "zb-h1"):
+        chunk = build_stage(cfg, r, pp, split[r], seed=seed)
+        if recompute:
+            for block in chunk.blocks.values():
+                checkpoint_module(block)
+        kwargs = {"forward_context": context} if context else {}
+        pipe = Pipeline([chunk], stage_ranks, schedule, m, d_model=cfg.d_model, **kwargs)
+        runs[schedule] = (pipe.step(tokens, targets), chunk, pipe)
+    (loss_ref, ref, _), (loss, chunk, pipe) = runs["1f1b"], runs["zb-h1"]
+    if loss is not None:
+        assert torch.equal(loss, loss_ref)
+    linear = {id(t) for mod in chunk.modules() if isinstance(mod, nn.Linear) for t in mod.parameters()}
+    assert linear and pipe.weight_grads.pending() == 0
+    tied = getattr(chunk, "tied_weight", None)
+    for (name, a), b in zip(ref.named_parameters(), chunk.parameters(), strict=True):
+        if id(b) in linear and b is not tied:  # the tied table also gets the embedding's gradient in B
+            assert torch.equal(a.grad, b.grad), name
+        torch.testing.assert_close(b.grad, a.grad, atol=ATOL, rtol=RTOL, msg=lambda s, n=name: f"{n}: {s}")
+    assert pipe.timeline.peak_live <= pp
+    return {"case": (pp, m, recompute, autocast), "peak_live": pipe.timeline.peak_live}
+
+
+def _run_zb_cases(cases: list[tuple], zb_cases: list[tuple]) -> list[dict]:
+    return [_check_case(*case) for case in cases] + [_zb_against_1f1b(*case) for case in zb_cases]
+
+
 def test_pp2_every_schedule_equals_one_process():
     cases = [(2, 1, s, m, v, 4, "even") for s, m, v in _cases(2)]
     cases.append((2, 1, "1f1b", 2, 1, 4, "params"))  # a cost-balanced split too
@@ -215,3 +296,17 @@ def test_pp4_every_schedule_and_pp2_dp2_equal_one_process():
     cases.append((2, 2, "interleaved", 4, 2, 4, "even"))
     results = run_on_ranks(4, _run_cases, cases)
     assert len(results[0]) == len(cases)
+
+
+def test_zb_h1_pp2_equals_one_process():
+    cases = [(2, 1, "zb-h1", m, 1, 4, "even") for m in (1, 2, 5)]
+    zb_cases = [(2, 4, recompute, autocast) for recompute in (False, True) for autocast in (False, True)]
+    results = run_on_ranks(2, _run_zb_cases, cases, zb_cases)
+    assert [r["peak_live"] for r in results[0]] == [1, 2, 2, 2, 2, 2, 2]  # rank 0: min(p, m)
+
+
+def test_zb_h1_pp4_and_pp2_dp2_equal_one_process():
+    cases = [(4, 1, "zb-h1", m, 1, 4, "even") for m in (3, 4, 9)] + [(2, 2, "zb-h1", 4, 1, 4, "params")]
+    zb_cases = [(4, 9, True, True)]
+    results = run_on_ranks(4, _run_zb_cases, cases, zb_cases)
+    assert all(r["peak_live"] <= 4 for per_rank in results for r in per_rank)

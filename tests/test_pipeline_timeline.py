@@ -5,10 +5,16 @@ ideal timeline is known: the measured bubble of every schedule must be within 3 
 (p - 1) / (v m + p - 1) (Narayanan et al. 2021 §2.2), 1F1B keeps at most p micro-batches live per
 stage and GPipe all m. Sleeping gives a fixed cost per micro-batch; nothing here limits wall time.
 The Gantt chart and Chrome trace writers run on the measured timelines.
+
+ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3.1) splits the same backward into B
+(T_B / 2, the input gradient) and W (T_B / 2, queued in the pipeline's WeightGradStore), i.e.
+T_F = T_B' = T_W: its measured bubble must be within 3 points of (p - 1) / (3 m + p - 1) and below
+1F1B's measured on the same p, m, with at most p micro-batches live on every rank.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -16,7 +22,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.parallel.pipeline import Pipeline, bubble_fraction, plot_gantt, theoretical_bubble, write_chrome_trace
+from shardwise.parallel.pipeline import (
+    Pipeline,
+    WeightGradStore,
+    bubble_fraction,
+    plot_gantt,
+    theoretical_bubble,
+    write_chrome_trace,
+    zb_h1_bubble,
+)
 from tests.harness import run_on_ranks
 
 P, M, D = 4, 8, 4
@@ -36,19 +50,39 @@ class _SleepBackward(torch.autograd.Function):
         return grad, None
 
 
-class SleepStage(nn.Module):
-    """A stage costing exactly ``t_f`` seconds forward and ``t_b`` backward per micro-batch."""
+class _SleepSplitBackward(torch.autograd.Function):
+    """Backward sleeps ``t_b`` (B) and, while ``store`` is deferring, queues a sleep of ``t_w`` (W)."""
 
-    def __init__(self, t_f: float, t_b: float, first: bool, last: bool):
+    @staticmethod
+    def forward(ctx, x, t_b, t_w, store):
+        ctx.t_b, ctx.t_w, ctx.store = t_b, t_w, store
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.t_b)
+        ctx.store.put(functools.partial(time.sleep, ctx.t_w))
+        return grad, None, None, None
+
+
+class SleepStage(nn.Module):
+    """A stage costing exactly ``t_f`` seconds forward and ``t_b`` backward per micro-batch; with a
+    ``weight_grads`` store, backward costs ``t_b`` in B and ``t_w`` in W."""
+
+    def __init__(self, t_f: float, t_b: float, first: bool, last: bool, t_w: float = 0.0):
         super().__init__()
-        self.t_f, self.t_b, self.first, self.last = t_f, t_b, first, last
+        self.t_f, self.t_b, self.t_w, self.first, self.last = t_f, t_b, t_w, first, last
         self.w = nn.Parameter(torch.ones(()))
+        self.weight_grads: WeightGradStore | None = None
 
     def forward(self, x, targets=None):
         if self.first:
             x = torch.zeros(*x.shape, D)
         time.sleep(self.t_f)
-        y = _SleepBackward.apply(x * self.w, self.t_b)
+        if self.weight_grads is None:
+            y = _SleepBackward.apply(x * self.w, self.t_b)
+        else:
+            y = _SleepSplitBackward.apply(x * self.w, self.t_b, self.t_w, self.weight_grads)
         return y.sum() if self.last else y
 
 
@@ -56,8 +90,13 @@ def _measure(cases):
     rank, out = dist.get_rank(), []
     for schedule, m, v in cases:
         n_stages = P * v
-        chunks = [SleepStage(T_F / v, T_B / v, c * P + rank == 0, c * P + rank == n_stages - 1) for c in range(v)]
+        t_b, t_w = (T_B / 2, T_B / 2) if schedule == "zb-h1" else (T_B, 0.0)
+        chunks = [SleepStage(T_F / v, t_b / v, c * P + rank == 0, c * P + rank == n_stages - 1, t_w)
+                  for c in range(v)]
         pipe = Pipeline(chunks, list(range(P)), schedule, m, d_model=D)
+        if pipe.split_backward:
+            for chunk in chunks:
+                chunk.weight_grads = pipe.weight_grads
         batch = torch.zeros(m, 2, dtype=torch.long)
         timelines = []
         for _ in range(2):  # the first step warms up; the second is measured
@@ -87,3 +126,15 @@ def test_measured_bubble_and_live_activations_match_theory(tmp_path):
     trace = json.loads(write_chrome_trace(timelines, tmp_path / "1f1b.json").read_text())
     fwd = [e for e in trace["traceEvents"] if e.get("cat") == "F"]
     assert len(fwd) == P * M and all(e["dur"] > 0 for e in fwd)
+
+
+def test_zb_h1_measured_bubble_matches_theory_and_beats_1f1b(tmp_path):
+    cases = [("1f1b", M, 1), ("zb-h1", M, 1)]
+    per_rank = run_on_ranks(P, _measure, cases)
+    one_f_one_b, zb = ([per_rank[r][k] for r in range(P)] for k in range(2))
+    measured, theory = bubble_fraction(zb), zb_h1_bubble(P, M, T_F, T_B / 2, T_B / 2)
+    assert abs(measured - theory) < 0.03, (measured, theory)
+    assert measured < bubble_fraction(one_f_one_b), (measured, bubble_fraction(one_f_one_b))
+    assert [t.peak_live for t in zb] == [P] * P  # 1F1B's rank-0 peak, on every rank
+    assert sum(e.kind == "W" for t in zb for e in t.events) == P * M
+    assert plot_gantt(zb, tmp_path / "zb-h1.png", title="ZB-H1 p=4 m=8").stat().st_size > 1000

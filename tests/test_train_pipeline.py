@@ -1,4 +1,5 @@
-"""Pipeline parallelism inside the trainer: every schedule and pp x dp trains the same model as one process.
+"""Pipeline parallelism inside the trainer: every schedule (zero-bubble ZB-H1 included) and pp x dp trains
+the same model as one process.
 
 The reference is a single process with the same global batch split into the same micro-batches
 (``train.grad_accum`` = ``parallel.microbatches``). fp32 runs agree within 1e-5 (the global-norm clip
@@ -37,7 +38,8 @@ def reference(tmp_path_factory, cache_dir):
     (2, {"parallel.pp": 2, "parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2}),
     (4, {"parallel.pp": 4, "parallel.pp_schedule": "1f1b"}),
     (4, {"parallel.pp": 2, "parallel.dp": 2, "parallel.pp_schedule": "1f1b"}),
-], ids=["pp2-1f1b", "pp2-gpipe-manual", "pp2-interleaved", "pp4-1f1b", "pp2xdp2"])
+    (2, {"parallel.pp": 2, "parallel.pp_schedule": "zb-h1"}),
+], ids=["pp2-1f1b", "pp2-gpipe-manual", "pp2-interleaved", "pp4-1f1b", "pp2xdp2", "pp2-zb-h1"])
 def test_pipeline_trains_like_one_process(reference, tmp_path, cache_dir, nproc, layout):
     micro = {"parallel.microbatches": 4} if "parallel.dp" not in layout else {"parallel.microbatches": 2}
     result = run(tmp_path, cache_dir, "pp", nproc, **LAYERS, **layout, **micro)
@@ -100,6 +102,14 @@ def test_bubble_metrics_and_timeline(tmp_path, cache_dir):
     assert (tmp_path / "pp" / "timeline.png").stat().st_size > 0
     trace = json.loads((tmp_path / "pp" / "timeline.trace.json").read_text())
     assert any(e.get("cat") == "F" for e in trace["traceEvents"])
+
+    # ZB-H1 reports its own theory, (p - 1) / (3m + p - 1) with equal F, B, W, and W passes in the trace.
+    run(tmp_path, cache_dir, "zb", 2, **LAYERS, **{"parallel.pp": 2, "parallel.microbatches": 4,
+                                                   "parallel.pp_schedule": "zb-h1"})
+    records = [json.loads(line) for line in (tmp_path / "zb" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["bubble_theory"] == pytest.approx(1 / 13) for r in records if "loss" in r)
+    doc = json.loads((tmp_path / "zb" / "timeline.json").read_text())
+    assert any(e["kind"] == "W" for t in doc["timelines"] for e in t["events"])
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

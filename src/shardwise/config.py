@@ -162,7 +162,7 @@ class ParallelConfig:
     each unit's parameters sharded over that many consecutive dp ranks keeps backward gathers
     inside the node; exact. 1 = off; must divide parallel.dp."""
     pp_schedule: str = "1f1b"
-    """With pp > 1: "naive", "gpipe", "1f1b" or "interleaved" (with pp_virtual >= 2 chunks per rank)."""
+    """With pp > 1: "naive", "gpipe", "1f1b", "interleaved" (with pp_virtual >= 2 chunks per rank) or "zb-h1"."""
     microbatches: int | None = None
     """With pp > 1: pipeline micro-batches per step and replica (= train.grad_accum; the micro-batches
     of a step flow through the pipeline); default the largest of 4*pp, 2*pp, pp that divides the batch."""

@@ -41,6 +41,7 @@ from shardwise.parallel.pipeline import (
     global_grad_norm,
     partition,
     theoretical_bubble,
+    zb_h1_bubble,
 )
 from shardwise.parallel.pipeline.grad_sync import GradientSync
 from shardwise.parallel.pipeline.timeline import Event
@@ -132,9 +133,16 @@ class PipelineEngine:
         """Measured and theoretical bubble of the last step, and every stage rank's peak live activations."""
         if not self.timelines:
             return {}
-        out = {"bubble": bubble_fraction(self.timelines), "bubble_theory": theoretical_bubble(self.p, self.m, self.v)}
+        out = {"bubble": bubble_fraction(self.timelines), "bubble_theory": self.bubble_theory()}
         out.update({f"pp_peak_live_{t.rank}": float(t.peak_live) for t in self.timelines})
         return out
+
+    def bubble_theory(self) -> float:
+        """The schedule's idle fraction with equal stages: (p - 1) / (v m + p - 1) for GPipe / 1F1B /
+        interleaved; ZB-H1's with T_F = T_B = T_W (Qi et al. 2024 §3.1)."""
+        if self.cfg.parallel.pp_schedule == "zb-h1":
+            return zb_h1_bubble(self.p, self.m)
+        return theoretical_bubble(self.p, self.m, self.v)
 
     def write_timeline(self, run_dir: Path, step: int) -> None:
         """Keep the last step's timelines as ``timeline.json`` (rank 0 of the world writes)."""
@@ -142,7 +150,7 @@ class PipelineEngine:
             return
         doc = {"step": step, "schedule": self.cfg.parallel.pp_schedule, "pp": self.p, "microbatches": self.m,
                "virtual": self.v, "bubble": bubble_fraction(self.timelines),
-               "bubble_theory": theoretical_bubble(self.p, self.m, self.v),
+               "bubble_theory": self.bubble_theory(),
                "timelines": [dataclasses.asdict(t) for t in self.timelines]}
         tmp = Path(run_dir) / "timeline.json.tmp"
         tmp.write_text(json.dumps(doc))

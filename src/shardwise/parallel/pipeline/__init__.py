@@ -1,6 +1,6 @@
 """Pipeline parallelism: partition a model into stages by layers, run them with a schedule
-(naive, GPipe, 1F1B, interleaved 1F1B), pass activations and gradients point-to-point, and measure
-the bubble. See ``partition``, ``schedules``, ``p2p``, ``executor``, ``clip`` and ``timeline``.
+(naive, GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1), pass activations and gradients point-to-point, and measure
+the bubble. See ``partition``, ``schedules``, ``p2p``, ``executor``, ``zero_bubble``, ``clip`` and ``timeline``.
 
 Typical use on each rank of a pipeline (``stage_ranks`` = ``mesh.ranks("pp")``)::
 
@@ -32,6 +32,7 @@ from shardwise.parallel.pipeline.schedules import (
     peak_live,
     simulate,
     theoretical_bubble,
+    zb_h1_bubble,
 )
 from shardwise.parallel.pipeline.timeline import (
     Event,
@@ -42,6 +43,7 @@ from shardwise.parallel.pipeline.timeline import (
     plot_gantt,
     write_chrome_trace,
 )
+from shardwise.parallel.pipeline.zero_bubble import WeightGradStore, defer_linear_weight_grads
 
 
 def check_pipeline(n_layers: int, pp: int, schedule: str, microbatches: int, global_batch: int,
@@ -56,9 +58,9 @@ def check_pipeline(n_layers: int, pp: int, schedule: str, microbatches: int, glo
 
 
 __all__ = [
-    "SCHEDULES", "Action", "Event", "Pipeline", "StageModule", "Timeline", "balanced_split", "bubble_fraction",
-    "build_schedule", "build_stage", "check_pipeline", "check_schedule", "chrome_trace", "clip_grad_norm",
-    "compute_order", "global_grad_norm", "local_grad_sq",
+    "SCHEDULES", "Action", "Event", "Pipeline", "StageModule", "Timeline", "WeightGradStore", "balanced_split",
+    "bubble_fraction", "build_schedule", "build_stage", "check_pipeline", "check_schedule", "chrome_trace",
+    "clip_grad_norm", "compute_order", "defer_linear_weight_grads", "global_grad_norm", "local_grad_sq",
     "even_split", "gather_timelines", "layer_costs", "manual_split", "partition", "peak_live", "plot_gantt",
-    "simulate", "split_microbatches", "theoretical_bubble", "write_chrome_trace",
+    "simulate", "split_microbatches", "theoretical_bubble", "write_chrome_trace", "zb_h1_bubble",
 ]

@@ -10,6 +10,9 @@ scaled by ``1/m`` before its backward, so the accumulated gradients equal those 
 the whole batch (GPipe's synchronous micro-batch gradient accumulation, Huang et al. 2019 §2.2).
 With tied embeddings the first and last stages' copies of the token table exchange and add their
 gradients after the last backward (Shoeybi et al. 2019; Narayanan et al. 2021 §3).
+Schedules with a split backward (``zb-h1``; Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §2-3)
+run ``B`` with the chunks' linear layers deferring their weight gradients to a per-micro-batch
+:class:`~shardwise.parallel.pipeline.zero_bubble.WeightGradStore`, and the ``W`` action computes them.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from shardwise.parallel.pipeline.schedules import (
     Action,
     B,
     F,
+    W,
     build_schedule,
     check_schedule,
 )
 from shardwise.parallel.pipeline.timeline import Event, Timeline
+from shardwise.parallel.pipeline.zero_bubble import WeightGradStore, defer_linear_weight_grads
 
 
 def split_microbatches(batch: torch.Tensor, n_microbatches: int) -> tuple[torch.Tensor, ...]:
@@ -53,7 +58,10 @@ class Pipeline:
       previous stage's activation and returns the next activation, or the scalar loss on the last stage.
     * ``stage_ranks``: global ranks of the ``p`` pipeline ranks of this replica, in stage order
       (``Mesh.ranks("pp")``); this process must be one of them.
-    * ``schedule``: ``"naive"``, ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``; ``n_microbatches``: m.
+    * ``schedule``: ``"naive"``, ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``;
+      ``n_microbatches``: m. With ``"zb-h1"`` every ``nn.Linear`` of the chunks is made to defer its
+      weight gradients to :attr:`weight_grads`
+      (:func:`~shardwise.parallel.pipeline.zero_bubble.defer_linear_weight_grads`).
     * ``d_model`` / ``act_dtype``: an activation of a micro-batch of inputs ``[b, t]`` is
       ``[b, t, d_model]`` of ``act_dtype`` -- known on every rank, so nothing is exchanged but data.
       Activations and their gradients travel in ``act_dtype`` whatever dtype a stage computes in.
@@ -78,6 +86,12 @@ class Pipeline:
         self.d_model, self.act_dtype, self.device = d_model, act_dtype, torch.device(device)
         self.timeline = Timeline(self.rank)
         self.plan = _plan(self.actions)
+        self.split_backward = any(a.kind == W for a in self.actions)
+        self.weight_grads = WeightGradStore()
+        """Deferred weight gradients of ``B`` actions, computed by ``W`` actions (split-backward schedules)."""
+        if self.split_backward:
+            for chunk in self.chunks:
+                defer_linear_weight_grads(chunk, self.weight_grads)
         self.forward_context = forward_context
         self.loss_scale = 1.0
         self.sent_bytes = 0
@@ -102,6 +116,7 @@ class Pipeline:
         tl = self.timeline = Timeline(self.rank)
         tl.start = time.perf_counter()
         self.sent_bytes = 0
+        self.weight_grads.clear()
         saved_in: dict[tuple[int, int], torch.Tensor] = {}
         saved_out: dict[tuple[int, int], torch.Tensor] = {}
         recvs: dict[tuple[str, int, int], tuple[torch.Tensor, dist.Work]] = {}
@@ -166,9 +181,15 @@ class Pipeline:
             elif a.kind == B:
                 grad = None if last else received(RECV_B, c, i)
                 out = saved_out.pop((c, i))
-                with tl.record(B, s, i):
+                defer = self.weight_grads.deferring((c, i)) if self.split_backward else contextlib.nullcontext()
+                with tl.record(B, s, i), defer:
                     torch.autograd.backward(out, None if grad is None else grad.to(out.dtype))
-                live -= 1
+                if not self.split_backward:
+                    live -= 1
+            elif a.kind == W:
+                with tl.record(W, s, i):
+                    self.weight_grads.run((c, i))
+                live -= 1  # the saved inputs of the weight gradients are released only now
             pending.extend(sends_after)  # posted with the next batch, right after this computation
         flush()
         with tl.record("wait", -1, -1):

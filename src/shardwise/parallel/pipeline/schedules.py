@@ -15,23 +15,29 @@ Keeping schedules as plain data makes them testable (:func:`simulate`) and plott
   ``p - r`` micro-batches are live on rank ``r``.
 * ``interleaved``: 1F1B over v chunks per rank, forwards and backwards in groups of p micro-batches
   per chunk (Narayanan et al. 2021 §2.2.2); needs ``m % p == 0``.
+* ``zb-h1``: zero-bubble ZB-H1 (Qi, Wan, Huang, Lin 2024, "Zero Bubble Pipeline Parallelism", ICLR,
+  §3.1 and Fig. 3): backward split into ``B`` (gradient of the stage input) and ``W`` (weight
+  gradients, :mod:`~shardwise.parallel.pipeline.zero_bubble`); 1F1B's order of ``F`` and ``B``, with
+  rank ``r`` holding back ``r`` ``W`` passes to fill its cool-down, so at most ``p`` micro-batches are
+  live on any rank (as on 1F1B's rank 0) and the bubble shrinks to ``(p - 1)(T_F + T_B - T_W)``.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 
-F, B = "F", "B"
+F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "send_f", "recv_f", "send_b", "recv_b"
 COMM = (SEND_F, RECV_F, SEND_B, RECV_B)
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank's schedule: compute (``F``/``B``) or communicate (``send_f`` ... ``recv_b``)
+    """One step of a rank's schedule: compute (``F``/``B``/``W``) or communicate (``send_f`` ... ``recv_b``)
     micro-batch ``mb`` of local chunk ``chunk``; ``peer`` is the pipeline rank on the other end."""
 
     kind: str
@@ -64,7 +70,7 @@ def check_schedule(schedule: str, n_ranks: int, n_microbatches: int, n_chunks: i
 
 
 def compute_order(schedule: str, rank: int, n_ranks: int, n_microbatches: int, n_chunks: int = 1) -> list[Action]:
-    """The ``F``/``B`` actions of pipeline rank ``rank``, in execution order."""
+    """The ``F``/``B`` (and ``W``) actions of pipeline rank ``rank``, in execution order."""
     check_schedule(schedule, n_ranks, n_microbatches, n_chunks)
     p, m, v = n_ranks, n_microbatches, n_chunks
     if schedule in ("naive", "gpipe"):
@@ -75,6 +81,8 @@ def compute_order(schedule: str, rank: int, n_ranks: int, n_microbatches: int, n
         for k in range(m - warm):
             out += [Action(F, 0, warm + k), Action(B, 0, k)]
         return out + [Action(B, 0, i) for i in range(m - warm, m)]
+    if schedule == "zb-h1":
+        return _zb_h1_order(rank, p, m)
     # interleaved: Megatron-LM's forward_backward_pipelining_with_interleaving (Narayanan et al. 2021 §2.2.2)
     total = m * v
 
@@ -89,6 +97,31 @@ def compute_order(schedule: str, rank: int, n_ranks: int, n_microbatches: int, n
     for k in range(total - warm):
         out += [fwd(warm + k), bwd(k)]
     return out + [bwd(k) for k in range(total - warm, total)]
+
+
+def _zb_h1_order(rank: int, p: int, m: int) -> list[Action]:
+    """ZB-H1 (Qi et al. 2024 §3.1, Fig. 3 top): 1F1B's ``F``/``B`` order; after each ``B`` the oldest
+    pending ``W`` runs as soon as more than ``rank`` are pending, and the last ``rank`` run at the end.
+
+    Rank ``r`` thus keeps ``p - r`` (1F1B warm-up) plus ``r`` (held-back ``W``) = ``p`` micro-batches
+    live at most, and in the cool-down its held-back ``W`` passes fill the time 1F1B spends waiting for
+    the backward to come down the pipeline."""
+    warm = min(p - rank - 1, m)
+    out = [Action(F, 0, i) for i in range(warm)]
+    pending: deque[int] = deque()
+
+    def backward(i: int) -> None:
+        out.append(Action(B, 0, i))
+        pending.append(i)
+        while len(pending) > rank:
+            out.append(Action(W, 0, pending.popleft()))
+
+    for k in range(m - warm):
+        out.append(Action(F, 0, warm + k))
+        backward(k)
+    for i in range(m - warm, m):
+        backward(i)
+    return out + [Action(W, 0, i) for i in pending]
 
 
 def with_comm(order: list[Action], rank: int, n_ranks: int, n_chunks: int = 1) -> list[Action]:
@@ -106,6 +139,8 @@ def with_comm(order: list[Action], rank: int, n_ranks: int, n_chunks: int = 1) -
             out.append(a)
             if s < n_stages - 1:
                 out.append(Action(SEND_F, a.chunk, a.mb, (rank + 1) % p))
+        elif a.kind == W:  # weight gradients stay on this rank
+            out.append(a)
         else:
             if s < n_stages - 1:
                 out.append(Action(RECV_B, a.chunk, a.mb, (rank + 1) % p))
@@ -129,21 +164,38 @@ def theoretical_bubble(n_ranks: int, n_microbatches: int, n_chunks: int = 1) -> 
     return (p - 1) / (v * m + p - 1)
 
 
+def zb_h1_bubble(n_ranks: int, n_microbatches: int, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
+    """Idle fraction of a ZB-H1 step: bubble time ``(p - 1)(T_F + T_B - T_W)`` (Qi et al. 2024 §3.1)
+    against ``m (T_F + T_B + T_W)`` of work per rank, i.e. ``b / (m (T_F + T_B + T_W) + b)``.
+
+    ``t_b`` is the input-gradient half of the backward and ``t_w`` the weight-gradient half; only their
+    ratios matter. The default ``T_F = T_B = T_W`` (the paper's simplifying assumption, §2.1/§3.1)
+    gives ``(p - 1) / (3 m + p - 1)``, a third of 1F1B's. Exact (compute only, free communication)
+    for ``m >= p``; with ``m < p`` the steady state never forms and the bubble is larger."""
+    p, m = n_ranks, n_microbatches
+    bubble = (p - 1) * (t_f + t_b - t_w)
+    return bubble / (m * (t_f + t_b + t_w) + bubble)
+
+
 def peak_live(order: list[Action]) -> int:
-    """Most micro-batch activations held at once: forwards done whose backward is not."""
+    """Most micro-batch activations held at once: forwards done whose backward is not -- or, in a
+    schedule with ``W`` actions, whose ``W`` is not (the weight gradients need the saved inputs)."""
+    release = W if any(a.kind == W for a in order) else B
     live = peak = 0
     for a in order:
         if a.kind == F:
             live += 1
             peak = max(peak, live)
-        elif a.kind == B:
+        elif a.kind == release:
             live -= 1
     return peak
 
 
-def simulate(actions: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0) -> tuple[float, list[list[tuple]]]:
+def simulate(actions: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,
+             t_w: float = 0.0) -> tuple[float, list[list[tuple]]]:
     """Run the action lists with fixed compute times (per chunk), instant communication and
     non-blocking sends; return ``(makespan, per-rank [(kind, chunk, mb, start, end)])``.
+    ``B`` costs ``t_b`` and ``W`` ``t_w`` (in a split backward ``t_b`` is the input-gradient half only).
 
     Raises ``RuntimeError`` if the schedule deadlocks (a receive whose send never happens)."""
     n = len(actions)
@@ -180,7 +232,7 @@ def simulate(actions: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0) ->
                 clock[r] = max(clock[r], sent[key])
                 pos[r], progressed = pos[r] + 1, True
             else:
-                dt = (t_f if a.kind == F else t_b) / n_chunks
+                dt = {F: t_f, B: t_b, W: t_w}[a.kind] / n_chunks
                 spans[r].append((a.kind, a.chunk, a.mb, clock[r], clock[r] + dt))
                 clock[r] += dt
                 pos[r], progressed = pos[r] + 1, True

@@ -1,12 +1,14 @@
 """What each pipeline rank did and when: recording, bubble and memory measures, Gantt chart, Chrome trace.
 
-A :class:`Timeline` holds one rank's events of one step -- ``F``/``B`` (compute), ``send``/``recv``
-(posting communication) and ``wait`` (blocked on a receive) -- as ``(kind, stage, mb, start, end)``
-with ``time.perf_counter`` seconds (``CLOCK_MONOTONIC`` on Linux, so comparable between processes
-of one machine). :func:`bubble_fraction` compares the busy time of every rank with the span of
-the whole step; the theoretical value is :func:`~shardwise.parallel.pipeline.schedules.theoretical_bubble`
-(Narayanan et al. 2021 §2.2). The Chrome trace follows the Trace Event Format ("X" complete
-events; https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU).
+A :class:`Timeline` holds one rank's events of one step -- ``F``/``B``/``W`` (compute; ``W`` only in
+split-backward schedules), ``send``/``recv`` (posting communication) and ``wait`` (blocked on a
+receive) -- as ``(kind, stage, mb, start, end)`` with ``time.perf_counter`` seconds
+(``CLOCK_MONOTONIC`` on Linux, so comparable between processes of one machine).
+:func:`bubble_fraction` compares the busy time of every rank with the span of the whole step; the
+theoretical value is :func:`~shardwise.parallel.pipeline.schedules.theoretical_bubble` (Narayanan et
+al. 2021 §2.2), or :func:`~shardwise.parallel.pipeline.schedules.zb_h1_bubble` for ZB-H1 (Qi et al.
+2024 §3.1). The Chrome trace follows the Trace Event Format ("X" complete events;
+https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU).
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "W")
 
 
 @dataclass(frozen=True)
 class Event:
-    """One interval of one rank: ``kind`` in F, B, send, recv, wait; ``stage`` is the global stage."""
+    """One interval of one rank: ``kind`` in F, B, W, send, recv, wait; ``stage`` is the global stage."""
 
     kind: str
     stage: int
@@ -99,9 +101,10 @@ def write_chrome_trace(timelines: Sequence[Timeline], path: str | Path) -> Path:
 
 
 def plot_gantt(timelines: Sequence[Timeline], path: str | Path, title: str | None = None) -> Path:
-    """Gantt chart PNG, one row per pipeline rank: forward blue, backward green, waits grey hatched;
-    each box is labelled with its micro-batch (a prime, and a lighter shade, for a rank's second chunk
-    of an interleaved schedule; ``c<k>`` for later chunks). The measured bubble goes in the title."""
+    """Gantt chart PNG, one row per pipeline rank: forward blue, backward green, weight gradients
+    orange, waits grey hatched; each box is labelled with its micro-batch (a prime, and a lighter
+    shade, for a rank's second chunk of an interleaved schedule; ``c<k>`` for later chunks).
+    The measured bubble goes in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,7 +114,7 @@ def plot_gantt(timelines: Sequence[Timeline], path: str | Path, title: str | Non
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = min(t.start for t in timelines)
     span = max(t.end for t in timelines) - t0
-    colours = {"F": "#4c72b0", "B": "#55a868"}
+    colours = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452"}
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(timelines) + 1.2))
     for t in timelines:
         y = t.rank
