@@ -11,4 +11,7 @@ from shardwise.dist.mesh import (
     shutdown_distributed,
 )
 
-__all__ = ["ALL_AXES", "AXES", "Mesh", "ParallelDims", "free_port", "init_distributed", "resolve_backend", "shutdown_distributed"]
+__all__ = [
+    "ALL_AXES", "AXES", "Mesh", "ParallelDims", "free_port", "init_distributed", "resolve_backend",
+    "shutdown_distributed",
+]
