@@ -81,6 +81,8 @@ class PipelineEngine:
         self.sync = GradientSync(self.pipe.parameters(), self.group, p.bucket_mb, gradient_all_reduce(cfg.comm))
         self.all_reduce_fn = self.sync.all_reduce_fn
         self.optimizer = build_optimizer(self.module, cfg.train, self._named_parameters())
+        with torch.device("meta"):  # the single-process optimizer's (decayed, undecayed) names: its index order
+            self.reference_groups = decay_groups(Transformer(cfg.model).named_parameters())[:2]
         self.timelines: list[Timeline] = []
         self.wrapper = self  # the memory accountant reads ``.module``
 
@@ -161,25 +163,18 @@ class PipelineEngine:
 
     # ---- layout-free checkpoints -----------------------------------------------------------------
 
-    def _reference_groups(self) -> tuple[list[str], list[str]]:
-        """The single-process optimizer's (decayed, undecayed) parameter names: its index order."""
-        with torch.device("meta"):
-            full = Transformer(self.cfg.model)
-        decay, no_decay, _ = decay_groups(full.named_parameters())
-        return decay, no_decay
-
     def checkpoint_pieces(self) -> tuple[list[Piece], list[dict] | None]:
         """Each stage (its data-parallel rank 0; replicas are equal) writes its own layers and their
         optimizer state whole, under the single-process names and optimizer indices: nothing is gathered."""
         groups = None
         if dist.get_rank() == 0:
-            decay, no_decay = self._reference_groups()
+            decay, no_decay = self.reference_groups
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             groups = [dict(hyper[0], params=list(range(len(decay)))),
                       dict(hyper[1], params=list(range(len(decay), len(decay) + len(no_decay))))]
         if self.mesh.dp_rank != 0:
             return [], groups
-        decay, no_decay = self._reference_groups()
+        decay, no_decay = self.reference_groups
         ref_index = {n: i for i, n in enumerate(decay + no_decay)}
         local_names = optimizer_param_names(self._named_parameters())
         model_state: dict[str, torch.Tensor] = {}
@@ -192,7 +187,7 @@ class PipelineEngine:
         """Take this rank's layers (and their optimizer state) from the single-process state."""
         for chunk in self.pipe.chunks:
             load_model_state(chunk, model_state, strict_subset=True)
-        decay, no_decay = self._reference_groups()
+        decay, no_decay = self.reference_groups
         ref_index = {n: i for i, n in enumerate(decay + no_decay)}
         saved = {int(k): v for k, v in optimizer_state["state"].items()}
         local_names = optimizer_param_names(self._named_parameters())

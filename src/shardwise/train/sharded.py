@@ -126,20 +126,8 @@ class ShardedReader:
         """The whole tensor ``key``; its pieces must cover it (duplicates of a range are skipped)."""
         if key not in self.index:
             raise CheckpointError(f"checkpoint {self.path} holds no tensor {key!r}")
-        info = self.index[key]
-        numel = math.prod(info["shape"])
-        out = torch.empty(numel, dtype=getattr(torch, info["dtype"]))
-        pos = 0
-        for file, entry, start, stop in sorted(info["pieces"], key=lambda p: (p[2], -p[3])):
-            if stop <= pos:
-                continue  # the same range again (a tied weight written by two stages)
-            if start != pos:
-                raise CheckpointError(f"checkpoint {self.path}: tensor {key!r} lacks elements {pos}..{start}")
-            out[start:stop] = self._file(file).get_tensor(entry)
-            pos = stop
-        if pos != numel:
-            raise CheckpointError(f"checkpoint {self.path}: tensor {key!r} lacks elements {pos}..{numel}")
-        return out.view(info["shape"])
+        shape = self.index[key]["shape"]
+        return self.slice(key, 0, math.prod(shape)).view(shape)
 
     def slice(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of the flattened tensor ``key``, reading only the overlapping

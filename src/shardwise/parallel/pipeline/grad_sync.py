@@ -4,9 +4,10 @@ With pp x dp ranks, the stage ranks of different replicas that hold the same sta
 group (``Mesh.group("dp")``). A pipeline step runs the backward of every micro-batch inside the schedule,
 so the gradients are complete only when :meth:`Pipeline.step` returns; they are then averaged over that
 group exactly once (Narayanan et al. 2021 §3: "the data-parallel all-reduce ... after the pipeline
-flush"), in flat buckets of at most ``bucket_mb`` per dtype and device (Li et al. 2020 §3.2.2), all
-launched before any is waited for. Each ``.grad`` then *is* a view of its bucket, so the buffers (and
-with them the error-feedback state of compressed all-reduces, keyed by buffer) persist across steps.
+flush"), in flat buckets of about ``bucket_mb`` per dtype and device, grouped as DataParallel groups
+them (Li et al. 2020 §3.2.2), all launched before any is waited for. Each ``.grad`` then *is* a view of
+its bucket, so the buffers (and with them the error-feedback state of compressed all-reduces, keyed
+by buffer) persist across steps.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.parallel.data import AllReduceFn, native_all_reduce
+from shardwise.parallel.data import AllReduceFn, _assign_buckets, native_all_reduce
 
 
 class GradientSync:
@@ -29,18 +30,7 @@ class GradientSync:
         self.group, self.all_reduce_fn = group, all_reduce_fn
         self.world_size = dist.get_world_size(group)
         cap = max(1, int(bucket_mb * 2**20))
-        self.buckets: list[tuple[list[nn.Parameter], torch.Tensor]] = []
-        for params_of_kind in _by_kind(reversed(unique)):  # reverse: roughly the order backward finishes
-            current: list[nn.Parameter] = []
-            size = 0
-            for p in params_of_kind:
-                if current and size + p.numel() * p.element_size() > cap:
-                    self.buckets.append(self._bucket(current))
-                    current, size = [], 0
-                current.append(p)
-                size += p.numel() * p.element_size()
-            if current:
-                self.buckets.append(self._bucket(current))
+        self.buckets = [self._bucket(bucket) for bucket in _assign_buckets(unique, cap)]
         self.comm_bytes_last_step = 0
 
     @staticmethod
@@ -77,9 +67,3 @@ class GradientSync:
                 offset += p.numel()
         self.comm_bytes_last_step = sum(b.numel() * b.element_size() for _, b in self.buckets)
 
-
-def _by_kind(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
-    kinds: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-    for p in params:
-        kinds.setdefault((p.dtype, p.device), []).append(p)
-    return list(kinds.values())
