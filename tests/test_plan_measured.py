@@ -64,6 +64,97 @@ def test_model_state_bytes_equal_the_trainers_tensors():
     assert (mem["mem_params_bytes"], mem["mem_grads_bytes"], mem["mem_optimizer_bytes"]) == (weights, grads, optim)
 
 
+
+# ---- one layer's activations in 16 bits, to the byte ---------------------------------------------
+
+
+def _saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves in ``module(x)`` (parameters and buffers excluded;
+    views of one storage, e.g. Q, K and V cut from one projection, counted once)."""
+    skip = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(storages.values())
+
+
+def _layer_norm_stats(s: int, b: int) -> int:
+    """What Korthikanti et al. leave out ("small buffers"): the mean and 1/std per row that each of
+    a layer's two LayerNorms saves, bf16 on CPU."""
+    return 2 * 2 * 2 * s * b
+
+
+class MegatronLayerShard(torch.nn.Module):
+    """One tensor-parallel rank's share of a GPT layer as Megatron-LM runs it, the computation
+    Korthikanti et al. 2022 §4.1 count for Table 2: pre-norm, a fused QKV projection (column
+    parallel: n_heads / t heads), eager attention (QK^T scaled inside baddbmm, softmax and dropout
+    in 16 bits, the dropout mask one byte per element), the row-parallel output projection, the MLP
+    h -> 4h/t -> h, dropout on both residual branches. The tensor-parallel collectives save nothing
+    and are identities on one process, so they are left out."""
+
+    def __init__(self, h: int, a: int, t: int, p: float = 0.1):
+        super().__init__()
+        self.head_dim, self.heads, self.p = h // a, a // t, p
+        self.ln1, self.ln2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
+        self.qkv = torch.nn.Linear(h, 3 * h // t)
+        self.proj = torch.nn.Linear(h // t, h)
+        self.fc1 = torch.nn.Linear(h, 4 * h // t)
+        self.fc2 = torch.nn.Linear(4 * h // t, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [s, b, h]
+        s, b, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(s, b * self.heads, 3 * self.head_dim).chunk(3, dim=-1)
+        q, k, v = (z.transpose(0, 1) for z in (q, k, v))  # [b * heads, s, head_dim]
+        scores = torch.baddbmm(torch.empty(b * self.heads, s, s, dtype=x.dtype), q, k.transpose(1, 2),
+                               beta=0.0, alpha=self.head_dim**-0.5)
+        probs, _ = torch.native_dropout(torch.softmax(scores, dim=-1), self.p, True)
+        context = torch.bmm(probs, v).transpose(0, 1).reshape(s, b, self.heads * self.head_dim)
+        x = x + torch.native_dropout(self.proj(context), self.p, True)[0]
+        y = self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+        return x + torch.native_dropout(y, self.p, True)[0]
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("h, a, s, b", [(128, 8, 64, 2), (64, 4, 96, 3)])
+def test_korthikanti_table2_measured(h, a, s, b, t):
+    """Table 2's closed forms (34sbh + 5as^2b without parallelism, sbh(10 + 24/t + 5as/(ht)) per
+    tensor-parallel rank) equal the bytes autograd keeps for a bf16 Megatron layer, up to the
+    LayerNorm statistics the paper leaves out -- and so does the planner's term-by-term count."""
+    from shardwise.plan.memory import activation_bytes_per_layer, korthikanti_table2
+    from shardwise.plan.spec import ModelSpec
+
+    torch.manual_seed(0)
+    layer = MegatronLayerShard(h, a, t).to(torch.bfloat16)
+    measured = _saved_bytes(layer, torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True))
+    published = korthikanti_table2(s, b, h, a, t)["none" if t == 1 else "tp"]
+    assert measured == published + _layer_norm_stats(s, b)
+    m = ModelSpec("gpt2", 1, h, a, a, 4 * h, 100, s, True, dropout=0.1)
+    assert activation_bytes_per_layer(m, s, b, t, attention="eager", mode="16bit") == published
+
+
+@pytest.mark.parametrize("h, a, s, b", [(256, 8, 128, 2), (128, 4, 64, 3)])
+def test_planner_layer_bytes_equal_our_block_in_bf16(h, a, s, b):
+    """shardwise's own GPT-2 block, all in bf16 and without dropout (scaled_dot_product_attention
+    then keeps its output and an fp32 log-sum-exp, no s x s matrix): the planner's per-layer
+    count in the 16-bit convention equals what autograd saves, up to the LayerNorm statistics."""
+    from shardwise.model.transformer import Block
+    from shardwise.plan.memory import activation_bytes_per_layer
+
+    cfg = Config.load(overrides={"model.preset": "cpu-demo", "model.d_model": str(h), "model.n_heads": str(a),
+                                 "model.max_seq_len": str(s), "data.seq_len": str(s)})
+    cfg = cfg.resolve(world_size=1, tokenizer_vocab=257)
+    block = Block(cfg.model, 0).to(torch.bfloat16).train()
+    measured = _saved_bytes(block, torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True))
+    predicted = activation_bytes_per_layer(model_spec(cfg), s, b, attention="flash", mode="16bit")
+    assert measured == predicted + _layer_norm_stats(s, b)
+
+
 # ---- ZeRO: the engine's padded flat units, predicted == measured to the byte ------------------
 
 ODD = {"model.d_model": 6, "model.n_heads": 2, "model.d_ff": 17}
