@@ -55,7 +55,10 @@ def _compressed_sums(world: int) -> dict:
             key = f"{algorithm}/{comp}{kwargs.get('topk_ratio', '')}"
             # what error feedback still holds back, relative to the mass sent over all steps
             lag = ((total_in - total_out).abs().max() / total_in.abs().max()).item()
-            out[key] = {"rel_err": first[0], "bytes": fn.pop_bytes_sent() / steps, "lag": lag,
+            stats = fn.pop_stats()  # ours: bytes on the wire, counted per send; native: bytes handed to it
+            moved = stats.bytes_sent if algorithm != "native" else stats.handed
+            assert (stats.backend_handed > 0) == (algorithm == "native") and stats.handed > 0
+            out[key] = {"rel_err": first[0], "bytes": moved / steps, "lag": lag,
                         "crc": zlib.crc32(first[1].numpy().tobytes())}
     return out
 
@@ -73,7 +76,12 @@ def test_compressed_all_reduce(world):
         assert r0[f"{alg}/fp16"]["rel_err"] < 2e-3 and r0[f"{alg}/bf16"]["rel_err"] < 2e-2
         assert r0[f"{alg}/int8"]["rel_err"] < 2e-2
         assert r0[f"{alg}/topk1.0"]["rel_err"] < 1e-6
-        for comp, most in [("fp16", 0.51), ("bf16", 0.51), ("int8", 0.30), ("topk0.05", 0.16)]:
+        # on the wire (ring) the dense all-reduce sends 2(N-1)/N of the vector, the compressed ones (N-1)/N
+        # of their all-to-all and all-gather; handed (native) the dense vector once, the compressed the
+        # all-to-all input plus the all-gathered output (about 2x the int8 bytes, N x the top-k packet)
+        bounds = {"ring": [("fp16", 0.51), ("bf16", 0.51), ("int8", 0.30), ("topk0.05", 0.16)],
+                  "native": [("fp16", 0.51), ("bf16", 0.51), ("int8", 0.56), ("topk0.05", 0.31)]}[alg]
+        for comp, most in bounds:
             assert r0[f"{alg}/{comp}"]["bytes"] <= most * dense, (alg, comp, r0[f"{alg}/{comp}"]["bytes"], dense)
         # error feedback: what was dropped is carried, not lost -- the shortfall stays bounded
         assert r0[f"{alg}/int8"]["lag"] < 0.03
@@ -97,7 +105,7 @@ def _train_several(cfgs: list, run_dirs: list[str]):
     for cfg, run_dir in zip(cfgs, run_dirs, strict=True):
         result = train(cfg, Path(run_dir), collect_state=True)
         metrics = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-        sent = [m.get("comm_sent_bytes", 0.0) for m in metrics if "loss" in m]
+        sent = [m["comm_bytes"] for m in metrics if "loss" in m]  # handed to collectives (native: no wire count)
         results.append((result.losses, result.state_dict, sent))
     return results if dist.get_rank() == 0 else None
 

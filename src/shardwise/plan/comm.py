@@ -133,14 +133,17 @@ def strides(lay: Layout) -> dict[str, int]:
 
 
 def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: Cluster,
-               act_bytes: int = 2, units: ZeroUnits | None = None) -> list[CommItem]:
+               act_bytes: int = 2, units: ZeroUnits | None = None, dp_flags: int = 0) -> list[CommItem]:
     """Every collective of one step on the busiest rank, with its volume and time.
 
     With ``units`` (the ZeRO engine's flat units, :func:`shardwise.plan.memory.exact_zero_units`)
     the ZeRO payloads are the engine's: padded units; ZeRO-3's root unit gathered once per
     micro-batch (it stays gathered from forward to the end of backward), the blocks twice; and
     gradients reduce-scattered once per step (micro-batches accumulate under ``no_sync``); and one
-    uint8 flag per parameter tensor all-reduced once per step (which parameters had a gradient)."""
+    uint8 flag per parameter tensor all-reduced once per step (which parameters had a gradient).
+    ``dp_flags``: without ZeRO, the trainer's DataParallel carries one such flag per parameter tensor
+    inside its gradient buckets, in the gradient dtype (pass the tensor count to predict its bytes
+    exactly; 0 leaves them out, as a planner may)."""
     st = strides(lay)
     items: list[CommItem] = []
 
@@ -161,7 +164,8 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
         if units is not None and kind == "dense":
             add("ZeRO grad flags", "all-reduce", group, units.n_tensors, 1, stride, "none")
         if lay.zero == 0:
-            add(label, "all-reduce", group, psi * b["grads"], 1, stride, "backward")
+            flags = dp_flags if kind == "dense" else 0
+            add(label, "all-reduce", group, (psi + flags) * b["grads"], 1, stride, "backward")
         elif lay.zero in (1, 2):
             add(f"ZeRO-{lay.zero} grads", "reduce-scatter", group, psi * b["grads"], 1, stride, "backward")
             add(f"ZeRO-{lay.zero} weights", "all-gather", group, psi * b["params"], 1, stride, "none")

@@ -28,6 +28,7 @@ from shardwise.plan.memory import (
 )
 from shardwise.plan.params import count_params
 from shardwise.plan.spec import Layout, model_spec, seq_len_of
+from shardwise.plan.zero_layout import model_params
 from shardwise.train.metrics import read_metrics
 
 
@@ -59,7 +60,10 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
                            zero_unit=p.zero_unit, zero_hpz=p.zero_hpz)
     cluster = Cluster(BUILTIN_GPUS["H100"], gpus_per_node=world)  # placement only; times are not compared
     units = exact_zero_units(m, lay, p.bucket_mb, p.zero_unit, zero_hpz=p.zero_hpz)
-    items = [c for c in comm_items(m, lay, s, states, cluster, act_bytes, units) if c.technique != "pipeline"]
+    # DataParallel's buckets carry one "had a gradient" flag per parameter tensor (a pipeline's do not)
+    flags = len(model_params(m)) if p.zero == 0 and p.pp == 1 and dp > 1 else 0
+    items = [c for c in comm_items(m, lay, s, states, cluster, act_bytes, units, dp_flags=flags)
+             if c.technique != "pipeline"]
     p2p = pipeline_sent_bytes(m, lay, s)
     out = {"parameters": float(count_params(m).total), "flops_per_token": flops_per_token(m, s),
            "comm_bytes": sum(c.total_payload for c in items) + p2p,
@@ -68,6 +72,7 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     out.update(mem.by_metric())
     for k in MODEL_STATE_METRICS:  # the accountant counts offloaded states too, wherever they live
         out[k] = sum(mem.by_metric(where)[k] for where in ("device", "host", "disk"))
+    out["mem_grads_bytes"] += flags * 4  # the flags live in the fp32 gradient buckets too
     out["mem_total_bytes"] = sum(out[k] for k in MODEL_STATE_METRICS)
     return out
 

@@ -29,6 +29,7 @@ from torch import nn
 from shardwise.config import Config
 from shardwise.config_resolve import pipeline_partition
 from shardwise.dist.comm.compress import gradient_all_reduce
+from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import Mesh
 from shardwise.model import Transformer
 from shardwise.parallel.pipeline import (
@@ -76,9 +77,12 @@ class PipelineEngine:
             chunks.append(chunk)
         self.module = nn.ModuleList(chunks)  # for accounting and train/eval mode; names via chunks
         precision = cfg.train.precision
+        self.ledger = CommLedger()
         self.pipe = Pipeline(chunks, self.stage_ranks, p.pp_schedule, self.m, cfg.model.d_model,
-                             device=device, forward_context=lambda: autocast_context(precision, device.type))
-        self.sync = GradientSync(self.pipe.parameters(), self.group, p.bucket_mb, gradient_all_reduce(cfg.comm))
+                             device=device, forward_context=lambda: autocast_context(precision, device.type),
+                             comm_stats=self.ledger["pp"])
+        self.sync = GradientSync(self.pipe.parameters(), self.group, p.bucket_mb,
+                                 gradient_all_reduce(cfg.comm, self.ledger["dp"]))
         self.all_reduce_fn = self.sync.all_reduce_fn
         self.optimizer = build_optimizer(self.module, cfg.train, self._named_parameters())
         with torch.device("meta"):  # the single-process optimizer's (decayed, undecayed) names: its index order
@@ -125,11 +129,10 @@ class PipelineEngine:
         self.module.train(on)
 
     def comm_metrics(self) -> dict[str, float]:
-        """The data-parallel gradient all-reduce plus this rank's point-to-point sends (``pp_sent_bytes``:
-        activations forward, their gradients backward, the tied table's gradient)."""
-        p2p = float(self.pipe.sent_bytes)
-        return {"comm_bytes": float(self.sync.comm_bytes_last_step) + p2p,
-                "comm_sent_bytes": float(self.all_reduce_fn.pop_bytes_sent()) + p2p, "pp_sent_bytes": p2p}
+        """The data-parallel gradient all-reduce (``dp_sent_bytes``) and this rank's point-to-point sends
+        (``pp_sent_bytes``: activations forward, their gradients backward, the tied table's gradient), as
+        counted where they were called (:mod:`shardwise.dist.comm.counting`)."""
+        return self.ledger.pop_metrics()
 
     def step_metrics(self) -> dict[str, float]:
         """Measured and theoretical bubble of the last step, and every stage rank's peak live activations."""

@@ -14,6 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from .counting import nbytes
 from .p2p import (
     OPS,
     Comm,
@@ -218,7 +219,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup |
             byte size aborts the process inside gloo, or fails at ``timeout_s``, and a same-size
             dtype mismatch gives a wrong answer.
         timeout_s: bound on each wait (default: the process group's timeout).
-        stats: if given, counts the bytes and messages this rank sends.
+        stats: if given, records the call (the tensor's bytes) and counts the bytes and messages this
+            rank sends (:mod:`.counting`).
     """
     if op not in OPS:
         raise ValueError(f"all_reduce: op={op!r} is not valid; use one of {', '.join(OPS)}")
@@ -228,6 +230,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup |
     name = f"all_reduce/{algorithm}"
     if verify:
         verify_same(group, name, tensor, op, ALL_REDUCE_ALGORITHMS.index(algorithm), timeout_s)
+    if stats is not None:
+        stats.hand(nbytes(tensor), backend=algorithm == "native")
     if algorithm == "native":
         return native_all_reduce(tensor, op, group)
     kwargs = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .allreduce import _NATIVE_OPS
+from .counting import nbytes
 from .p2p import (
     OPS,
     CommStats,
@@ -64,8 +65,14 @@ _native_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_ten
 _native_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+_BLOCK_IN = ("all_gather", "gather", "scatter")
+"""Collectives whose ``tensor`` argument is this rank's block of an N-block vector."""
+
+
 def _start(collective: str, algorithm: str, group, tensor, op: str, verify: bool, timeout_s, chunk_bytes, stats,
            extra: int = 0):
+    """Check the arguments, verify the ranks agree, record the call in ``stats`` (the vector's bytes:
+    N blocks for :data:`_BLOCK_IN`), and return the communicator view."""
     if algorithm not in ALGORITHMS[collective]:
         raise ValueError(f"{collective}: algorithm={algorithm!r} is not valid; use one of "
                          f"{', '.join(ALGORITHMS[collective])}")
@@ -75,7 +82,10 @@ def _start(collective: str, algorithm: str, group, tensor, op: str, verify: bool
     if verify:
         verify_same(group, name, tensor, op, ALGORITHMS[collective].index(algorithm) + 16 * extra, timeout_s)
     kwargs = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
-    return make_comm(group, name, timeout_s, stats=stats, **kwargs)
+    c = make_comm(group, name, timeout_s, stats=stats, **kwargs)
+    if stats is not None and collective != "barrier":
+        stats.hand(nbytes(tensor) * (c.size if collective in _BLOCK_IN else 1), backend=algorithm == "native")
+    return c
 
 
 def _check_len(name: str, got: int, want: int, what: str) -> None:

@@ -18,9 +18,9 @@ per bucket size), and compresses what travels when asked:
   "Sparsified SGD with Memory", NeurIPS).
 
 Every rank ends with bit-identical gradients (all dequantize the same bytes and add in rank
-order). ``pop_bytes_sent()`` returns the bytes this rank actually sent since the last call
-(counted at every point-to-point send; for the native backend collectives, the ring
-estimate 2(N-1)/N * S) -- the trainer logs it per step as ``comm_sent_bytes``.
+order). Every collective it runs is recorded in ``stats`` (:mod:`.counting`): the bytes handed to
+it and, for our point-to-point algorithms, the bytes this rank put on the wire; the trainer hands
+in its ledger's "dp" counter and logs them per step.
 
 Limitation: DataParallel's per-parameter "has a gradient" flags travel in the bucket too,
 so with compression they are reduced approximately (their nonzero-ness, which is all that
@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from .allreduce import all_reduce
 from .collectives import all_gather, all_to_all
-from .cost import CostModel, calibrate, cost
-from .p2p import CommStats
+from .cost import CostModel, calibrate
+from .counting import CommStats, nbytes
 
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")
 """Gradient compression methods."""
@@ -71,10 +71,12 @@ class GradientAllReduce:
         int8_chunk: values per int8 scale.
         timeout_s: bound on every wait of the collectives it runs (a peer that never arrives is a
             ``TimeoutError`` naming the collective); None: the process group's timeout.
+        stats: where its collectives are counted (default: a counter of its own).
     """
 
     def __init__(self, algorithm: str = "native", compression: str = "none", topk_ratio: float = 0.01,
-                 node_size: int | None = None, int8_chunk: int = 256, timeout_s: float | None = None):
+                 node_size: int | None = None, int8_chunk: int = 256, timeout_s: float | None = None,
+                 stats: CommStats | None = None):
         if compression not in COMPRESSIONS:
             raise ValueError(f"comm.compression={compression!r} is not valid; use one of {', '.join(COMPRESSIONS)}")
         if not 0 < topk_ratio <= 1:
@@ -82,25 +84,25 @@ class GradientAllReduce:
         self.algorithm, self.compression = algorithm, compression
         self.topk_ratio, self.node_size, self.int8_chunk = topk_ratio, node_size or None, int8_chunk
         self.timeout_s = timeout_s
-        self.stats = CommStats()
+        self.stats = stats if stats is not None else CommStats()
         self._models: dict[int, CostModel] = {}
         self._residual: dict[tuple, torch.Tensor] = {}
         self._verified: set[tuple] = set()
         self.choices: dict[int, str] = {}
         """With "auto": the algorithm chosen for each bucket size (bytes)."""
 
-    def pop_bytes_sent(self) -> int:
-        """Bytes this rank sent since the previous call."""
-        sent, self.stats.bytes_sent = self.stats.bytes_sent, 0
-        return sent
+    def pop_stats(self) -> CommStats:
+        """What was handed to collectives and sent since the previous call (see :mod:`.counting`;
+        the backend's own collectives' wire traffic is not visible, only what they were handed)."""
+        return self.stats.pop()
 
-    def _resolve(self, nbytes: int, group) -> str:
+    def _resolve(self, size: int, group) -> str:
         if self.algorithm != "auto":
             return self.algorithm
         key = id(group)
         if key not in self._models:  # collective: every rank reaches its first bucket in the same order
-            self._models[key] = calibrate(group, large=min(max(4 << 20, nbytes), 64 << 20))
-        return self.choices.setdefault(nbytes, self._models[key].choose("all_reduce", nbytes,
+            self._models[key] = calibrate(group, large=min(max(4 << 20, size), 64 << 20))
+        return self.choices.setdefault(size, self._models[key].choose("all_reduce", size,
                                                                         node_size=self.node_size))
 
     def _first(self, *key) -> bool:
@@ -111,9 +113,6 @@ class GradientAllReduce:
         self._verified.add(key)
         return True
 
-    def _count_native(self, collective: str, nbytes: int, n: int) -> None:
-        self.stats.bytes_sent += int(cost(collective, "native", nbytes, n).sent)
-
     @torch.no_grad()
     def __call__(self, flat: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work | None:
         n = dist.get_world_size(group)
@@ -121,12 +120,10 @@ class GradientAllReduce:
             return None
         if self.compression in ("none", "fp16", "bf16"):
             wire = flat if self.compression == "none" else flat.to(_HALF[self.compression])
-            nbytes = wire.numel() * wire.element_size()
-            alg = self._resolve(nbytes, group)
-            if alg == "native":
-                self._count_native("all_reduce", nbytes, n)
-                if wire is flat:  # the backend's own, asynchronous: overlaps the rest of backward
-                    return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            alg = self._resolve(nbytes(wire), group)
+            if alg == "native" and wire is flat:  # the backend's own, asynchronous: overlaps the rest of backward
+                self.stats.hand(nbytes(flat), backend=True)
+                return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
             all_reduce(wire, "sum", group, alg, node_size=self.node_size, stats=self.stats,
                        timeout_s=self.timeout_s,
                        verify=self._first("all_reduce", id(group), wire.numel(), wire.dtype, alg))
@@ -142,8 +139,6 @@ class GradientAllReduce:
         return None
 
     def _gather(self, out: torch.Tensor, inp: torch.Tensor, group, n: int, native: bool) -> None:
-        if native:
-            self._count_native("all_gather", out.numel(), n)
         all_gather(out, inp, group, "native" if native else "ring", stats=self.stats,
                    timeout_s=self.timeout_s,
                    verify=self._first("all_gather", id(group), inp.numel(), inp.dtype))
@@ -173,8 +168,6 @@ class GradientAllReduce:
         worker.sub_(dequantize_int8(q, scale, c))  # worker error feedback
         packets = self._pack(q.view(n, B), scale.view(n, -1))
         received = torch.empty_like(packets)
-        if native:
-            self._count_native("all_to_all", packets.numel(), n)
         all_to_all(received, packets, group, "native" if native else "pairwise", stats=self.stats,
                    timeout_s=self.timeout_s,
                    verify=self._first("all_to_all", id(group), packets.numel(), packets.dtype))
@@ -201,7 +194,7 @@ class GradientAllReduce:
         return dequantize_int8(q, scale, self.int8_chunk)
 
 
-def gradient_all_reduce(comm_cfg) -> GradientAllReduce:
-    """The all-reduce a :class:`shardwise.config.CommConfig` asks for."""
+def gradient_all_reduce(comm_cfg, stats: CommStats | None = None) -> GradientAllReduce:
+    """The all-reduce a :class:`shardwise.config.CommConfig` asks for, counted in ``stats``."""
     return GradientAllReduce(comm_cfg.algorithm, comm_cfg.compression, comm_cfg.topk_ratio,
-                             comm_cfg.node_size or None, timeout_s=comm_cfg.timeout_s or None)
+                             comm_cfg.node_size or None, timeout_s=comm_cfg.timeout_s or None, stats=stats)

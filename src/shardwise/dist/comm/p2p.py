@@ -27,6 +27,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .counting import CommStats
+
 OPS = ("sum", "avg", "max", "min")
 """Reduction operators; "avg" is a sum divided by the number of ranks at the end."""
 
@@ -40,14 +42,6 @@ WINDOW = 4
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.int64: 5,
                 torch.int32: 6, torch.int8: 7, torch.uint8: 8, torch.bool: 9}
-
-
-@dataclass
-class CommStats:
-    """What this rank actually put on the wire (counted at every ``isend``)."""
-
-    bytes_sent: int = 0
-    messages: int = 0
 
 
 @dataclass
@@ -130,8 +124,7 @@ def wait(c: Comm, works: list) -> None:
 def post_send(c: Comm, piece: torch.Tensor, peer: int, tag: int = 0):
     """Post one send of ``piece`` to view position ``peer`` (counted in ``c.stats``)."""
     if c.stats is not None:
-        c.stats.bytes_sent += piece.numel() * piece.element_size()
-        c.stats.messages += 1
+        c.stats.send(piece.numel() * piece.element_size())
     return dist.isend(piece, group=c.group, group_dst=c.ranks[peer], tag=tag)
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.dist.comm.counting import CommStats
 from shardwise.parallel.pipeline.p2p import P2P, message_tag
 from shardwise.parallel.pipeline.schedules import (
     COMM,
@@ -69,17 +70,21 @@ class Pipeline:
       (e.g. ``torch.autocast`` for mixed precision; backward runs outside it, as torch recommends).
     * ``loss_scale``: the last stage multiplies each micro-batch's ``loss / m`` by it before backward
       (fp16 dynamic loss scaling, Micikevicius et al. 2018 §3.2); set it before every step.
+    * ``comm_stats``: where every point-to-point send is recorded (:mod:`shardwise.dist.comm.counting`;
+      activations, their gradients, the tied table's gradient).
     """
 
     def __init__(self, chunks: Sequence[nn.Module], stage_ranks: Sequence[int], schedule: str,
                  n_microbatches: int, d_model: int, act_dtype: torch.dtype = torch.float32,
                  group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
-                 forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 comm_stats: CommStats | None = None):
         self.chunks = list(chunks)
         self.p, self.v, self.m = len(stage_ranks), len(self.chunks), n_microbatches
         check_schedule(schedule, self.p, n_microbatches, self.v)
         self.schedule = schedule
-        self.comm = P2P(list(stage_ranks), self.v, group)
+        self.comm_stats = comm_stats if comm_stats is not None else CommStats()
+        self.comm = P2P(list(stage_ranks), self.v, group, stats=self.comm_stats)
         self.rank = self.comm.rank
         self.n_stages = self.p * self.v
         self.actions = build_schedule(schedule, self.p, n_microbatches, self.v)[self.rank]
@@ -94,8 +99,6 @@ class Pipeline:
                 defer_linear_weight_grads(chunk, self.weight_grads)
         self.forward_context = forward_context
         self.loss_scale = 1.0
-        self.sent_bytes = 0
-        """Bytes this rank sent point-to-point in the last step (activations, their gradients, tied grads)."""
 
     def parameters(self):
         """Every parameter of this rank's chunks (tied copies appear on each stage holding one)."""
@@ -115,7 +118,6 @@ class Pipeline:
         act_shape = (*x_mbs[0].shape, self.d_model)
         tl = self.timeline = Timeline(self.rank)
         tl.start = time.perf_counter()
-        self.sent_bytes = 0
         self.weight_grads.clear()
         saved_in: dict[tuple[int, int], torch.Tensor] = {}
         saved_out: dict[tuple[int, int], torch.Tensor] = {}
@@ -148,7 +150,6 @@ class Pipeline:
                 tl.events.append(Event(kind, self.stage(a.chunk), a.mb, t0, t1))
                 if kind == "send":
                     sends.append((work, tensor))
-                    self.sent_bytes += tensor.numel() * tensor.element_size()
                 else:
                     recvs[(a.kind, a.chunk, a.mb)] = (tensor, work)
             pending.clear()
@@ -245,9 +246,9 @@ class Pipeline:
         with tl.record("wait", self.stage(c), -1):
             ops = [dist.P2POp(dist.isend, w.grad, self.comm.stage_ranks[peer], self.comm.group, tag),
                    dist.P2POp(dist.irecv, other, self.comm.stage_ranks[peer], self.comm.group, tag)]
+            self.comm.count_send(w.grad)
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        self.sent_bytes += w.grad.numel() * w.grad.element_size()
         w.grad.add_(other)
 
 

@@ -31,7 +31,6 @@ class GradientSync:
         self.world_size = dist.get_world_size(group)
         cap = max(1, int(bucket_mb * 2**20))
         self.buckets = [self._bucket(bucket) for bucket in _assign_buckets(unique, cap)]
-        self.comm_bytes_last_step = 0
 
     @staticmethod
     def _bucket(params: list[nn.Parameter]) -> tuple[list[nn.Parameter], torch.Tensor]:
@@ -43,7 +42,6 @@ class GradientSync:
         """Average every gradient over the group. A parameter without a gradient contributes zeros
         (every parameter of a pipeline stage is used in every step, so this does not arise in training)."""
         if self.world_size == 1:
-            self.comm_bytes_last_step = 0
             return
         works = []
         for params, buffer in self.buckets:
@@ -65,5 +63,4 @@ class GradientSync:
             for p in params:
                 p.grad = buffer[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
-        self.comm_bytes_last_step = sum(b.numel() * b.element_size() for _, b in self.buckets)
 

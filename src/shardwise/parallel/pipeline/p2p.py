@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardwise.dist.comm.counting import CommStats, nbytes
 from shardwise.parallel.pipeline.schedules import RECV_F, SEND_F, Action
 
 
@@ -33,11 +34,14 @@ class P2P:
     the pipeline of this rank's data-parallel replica. ``n_chunks`` chunks per rank make
     ``len(stage_ranks) * n_chunks`` stages."""
 
-    def __init__(self, stage_ranks: list[int], n_chunks: int = 1, group: dist.ProcessGroup | None = None):
+    def __init__(self, stage_ranks: list[int], n_chunks: int = 1, group: dist.ProcessGroup | None = None,
+                 stats: CommStats | None = None):
         self.stage_ranks = list(stage_ranks)
         self.p = len(stage_ranks)
         self.n_stages = self.p * n_chunks
         self.group = group
+        self.stats = stats if stats is not None else CommStats()
+        """Every send is recorded here: handed and on the wire alike (a send is its own message)."""
         if dist.get_rank() not in self.stage_ranks:
             raise ValueError(f"rank {dist.get_rank()} is not in the pipeline's stage_ranks {self.stage_ranks}")
         self.rank = self.stage_ranks.index(dist.get_rank())
@@ -55,7 +59,14 @@ class P2P:
             stage = a.chunk * self.p + self.rank
             tag = message_tag(a.kind, self._dst_stage(a, stage), a.mb, self.n_stages)
             fn = dist.isend if a.kind.startswith("send") else dist.irecv
+            if fn is dist.isend:
+                self.count_send(tensor)
             p2p.append(dist.P2POp(fn, tensor, self.stage_ranks[a.peer], self.group, tag))
         if not p2p:
             return []
         return dist.batch_isend_irecv(p2p)
+
+    def count_send(self, tensor: torch.Tensor) -> None:
+        """Record one message of ``tensor`` sent from this rank."""
+        self.stats.hand(nbytes(tensor), backend=False)
+        self.stats.send(nbytes(tensor))
