@@ -104,3 +104,24 @@ def test_config_file_with_cluster_and_plan_tables(capsys, tmp_path):
     doc = json.loads(out)
     assert rc == 0 and doc["cluster"]["gpu"] == "A100-40GB" and doc["cluster"]["world"] == 8  # the override wins
     assert doc["fixed"] == {"zero": 1} and len(doc["layouts"]) == 2 and doc["model"]["n_experts"] == 4
+
+
+def test_a_shape_without_a_preset_is_custom_and_takes_data_seq_len(capsys):
+    """No preset named, the shape given: max_seq_len follows data.seq_len (not cpu-demo's 128), and the
+    model is called "custom" -- by the planner and by the trainer's resolution alike."""
+    shape = {"model.n_layers": "96", "model.d_model": "12288", "model.n_heads": "96", "data.seq_len": "2048"}
+    rc, out, err = run(capsys, ["--gpu", "A100", "--nodes", "16", "--top", "1"], dict(shape))
+    assert rc == 0, err
+    assert out.startswith("model custom (gpt2, L=96 h=12288") and "seq_len 2048" in out
+    rc, out, _ = run(capsys, ["--gpu", "A100", "--nodes", "16", "--top", "1", "--json"], dict(shape))
+    doc = json.loads(out)
+    assert doc["model"]["preset"] == "custom" and doc["model"]["max_seq_len"] == doc["seq_len"] == 2048
+    resolved = Config.load(overrides=shape).resolve(world_size=1, tokenizer_vocab=257)
+    assert (resolved.model.preset, resolved.model.flavor, resolved.model.max_seq_len) == ("custom", "gpt2", 2048)
+    # a resolved config read back stays as it is; the default preset alone, or one field changed, is cpu-demo
+    again = Config.from_dict(resolved.to_dict()).resolve(world_size=1, tokenizer_vocab=257)
+    assert (again.model.preset, again.model.max_seq_len) == ("custom", 2048)
+    for overrides in ({}, {"model.d_model": "512"}):
+        cfg = Config.load(overrides=overrides).resolve(world_size=1, tokenizer_vocab=257)
+        assert (cfg.model.preset, cfg.model.max_seq_len) == ("cpu-demo", 128)
+

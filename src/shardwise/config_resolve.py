@@ -59,6 +59,12 @@ def _divisors(n: int) -> str:
 
 
 def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
+    shape = (m.n_layers, m.d_model, m.n_heads)
+    if m.preset == "cpu-demo" and m.max_seq_len is None and None not in shape and \
+            shape != tuple(PRESETS["cpu-demo"][k] for k in ("n_layers", "d_model", "n_heads")):
+        # a shape of its own under the default preset: a custom model, whose max_seq_len follows
+        # data.seq_len rather than cpu-demo's 128 (a resolved config has max_seq_len: it stays as it is)
+        m.preset, m.flavor = "custom", m.flavor or "gpt2"
     _choice("model.preset", m.preset, PRESET_NAMES)
     for key, value in PRESETS.get(m.preset, {}).items():
         if getattr(m, key) is None:

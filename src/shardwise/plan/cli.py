@@ -22,7 +22,7 @@ from shardwise.plan.hardware import Cluster, find_gpu, load_catalogue
 from shardwise.plan.memory import STATE_CONVENTIONS, parse_state_dtypes
 from shardwise.plan.params import closed_form_params, count_params
 from shardwise.plan.search import search
-from shardwise.plan.spec import OFFLOAD, RECOMPUTE, model_spec, seq_len_of
+from shardwise.plan.spec import OFFLOAD, RECOMPUTE, model_spec, resolved_model, seq_len_of
 
 LAYOUT_KEYS = {
     "parallel.dp": "dp", "parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.ep": "ep",
@@ -137,6 +137,7 @@ def load_plan_inputs(config: str | None, overrides: dict[str, str]):
         top_k = int(extra.get("model.moe_top_k", 2))
     except ValueError:
         raise ConfigError("model.n_experts and model.moe_top_k must be integers") from None
+    cfg.model = resolved_model(cfg)  # the name too: a shape given without a preset is "custom"
     m = model_spec(cfg, n_experts, top_k)
     s = seq_len_of(cfg, m)
     fixed = {}

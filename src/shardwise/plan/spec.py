@@ -90,11 +90,12 @@ class Layout:
         return s
 
 
-def model_spec(cfg: Config, n_experts: int = 0, moe_top_k: int = 2) -> ModelSpec:
-    """Resolve ``cfg.model`` (presets, defaults, checks) without touching the trainer's validation.
+def resolved_model(cfg: Config) -> ModelConfig:
+    """A copy of ``cfg.model`` resolved (presets, defaults, checks) without the trainer's validation.
 
     An unset ``vocab_size`` is taken from the tokenizer: 257 for "byte", ``data.bpe_vocab_size``
-    for "bpe", or the tokenizer file's vocabulary."""
+    for "bpe", or the tokenizer file's vocabulary; an unset ``max_seq_len`` (a custom shape) from
+    ``data.seq_len``, as the trainer does."""
     m: ModelConfig = dataclasses.replace(cfg.model)
     vocab = _tokenizer_vocab(cfg) if m.vocab_size is None else None
     resolve_model(m, vocab)
@@ -102,6 +103,12 @@ def model_spec(cfg: Config, n_experts: int = 0, moe_top_k: int = 2) -> ModelSpec
         m.max_seq_len = cfg.data.seq_len
     if m.max_seq_len is None:
         raise ConfigError("model.max_seq_len is not set; give it or data.seq_len")
+    return m
+
+
+def model_spec(cfg: Config, n_experts: int = 0, moe_top_k: int = 2) -> ModelSpec:
+    """The shapes of :func:`resolved_model` (plus the planner-only experts)."""
+    m = resolved_model(cfg)
     if n_experts < 0 or (n_experts and not 1 <= moe_top_k <= n_experts):
         raise ConfigError(f"model.moe_top_k={moe_top_k} must be in [1, model.n_experts={n_experts}]")
     return ModelSpec(
