@@ -125,3 +125,30 @@ def test_a_shape_without_a_preset_is_custom_and_takes_data_seq_len(capsys):
         cfg = Config.load(overrides=overrides).resolve(world_size=1, tokenizer_vocab=257)
         assert (cfg.model.preset, cfg.model.max_seq_len) == ("cpu-demo", 128)
 
+
+FIXED_175B = {"model.preset": "gpt3-175b", "parallel.tp": "8", "parallel.pp": "1", "parallel.zero": "0",
+              "train.micro_batch": "1", "train.recompute": "full", "parallel.sequence_parallel": "true"}
+"""GPT-3 175B on one node of 8 H100s, every layout field fixed: 351.67 GB per GPU, far over 72 GB."""
+
+
+def test_a_fixed_layout_that_does_not_fit_is_shown_in_full(capsys):
+    rc, out, err = run(capsys, [], dict(FIXED_175B))
+    assert rc == 3
+    assert "memory per GPU of dp1 tp8 pp1 z0 mb1 rc-full sp -- does not fit: needs 351.67 GB of 72.00 GB" in out
+    for what in ("mem_params_bytes", "mem_optimizer_bytes", "mem_activations_bytes", "total on device",
+                 "communication per step", "reduce-scatter", "step time"):
+        assert what in out, what
+    assert "does not fit: needs 351.67 GB of 72.00 GB" in err and len(err.strip().splitlines()) == 1
+    rc, out, _ = run(capsys, ["--json"], dict(FIXED_175B))
+    doc = json.loads(out)
+    assert rc == 3 and doc["fitting"] == 0 and len(doc["layouts"]) == 1
+    layout = doc["layouts"][0]
+    assert layout["fits"] is False and layout["layout"]["tp"] == 8
+    assert layout["memory"]["mem_device_bytes"] > layout["budget_bytes"] == 0.9 * 80e9
+    assert layout["time"]["step_time_s"] > 0 and layout["comm"]
+
+
+def test_an_open_layout_that_does_not_fit_lists_the_reasons_only(capsys):
+    rc, out, err = run(capsys, ["--json"], {"model.preset": "gpt3-175b", "parallel.tp": "8"})
+    doc = json.loads(out)
+    assert rc == 3 and doc["layouts"] == [] and "no layout fits" in err

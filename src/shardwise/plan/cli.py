@@ -208,23 +208,36 @@ def _run(args, overrides: dict[str, str]) -> int:
                     "peak_flops": peak, "memory_bytes": gpu.memory_bytes, "efficiency": args.efficiency},
         "fixed": fixed, "considered": result.considered, "fitting": result.fitting,
         "dropped": dict(result.dropped), "dropped_examples": result.examples,
-        "layouts": [report.candidate_dict(c) for c in result.ranked],
+        "layouts": [report.candidate_dict(c) | {"fits": True} for c in result.ranked],
         "training": training,
     }
-    if args.plot and result.ranked:
-        report.plot_memory(result.ranked, args.plot, f"{cfg.model.preset} on {cluster.world} x {gpu.name}",
+    unfit = _only_layout_over_budget(result)
+    if unfit is not None:  # the config leaves one layout: show it whole, so the user sees what to change
+        doc["layouts"] = [report.candidate_dict(unfit) | {"fits": False, "budget_bytes": result.budget_bytes}]
+    shown = result.ranked or ([unfit] if unfit is not None else [])
+    if args.plot and shown:
+        report.plot_memory(shown, args.plot, f"{cfg.model.preset} on {cluster.world} x {gpu.name}",
                            capacity=gpu.memory_bytes)
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
-        print("\n".join(_text(doc, result, args)))
+        print("\n".join(_text(doc, result, args, unfit)))
+    if unfit is not None:
+        print(f"error: {unfit.layout.short()} {report.does_not_fit(unfit, result.budget_bytes, gpu.memory_bytes)}",
+              file=sys.stderr)
+        return 3
     if not result.ranked:
         print("error: no layout fits; see the reasons above", file=sys.stderr)
         return 3
     return 0
 
 
-def _text(doc, result, args) -> list[str]:
+def _only_layout_over_budget(result):
+    """The one layout the config leaves (every other choice fixed or ruled out), when it does not fit."""
+    return result.smallest_over_budget if not result.ranked and result.over_budget == 1 else None
+
+
+def _text(doc, result, args, unfit=None) -> list[str]:
     p, m = doc["parameters"], doc["model"]
     c = doc["cluster"]
     out = [
@@ -248,6 +261,9 @@ def _text(doc, result, args) -> list[str]:
     if result.ranked:
         out += report.layouts_table(result.ranked)
         out += [""] + report.breakdown(result.ranked[0])
+    elif unfit is not None:
+        out += report.layouts_table([unfit])
+        out += [""] + report.breakdown(unfit, report.does_not_fit(unfit, result.budget_bytes, c["memory_bytes"]))
     if result.dropped:
         out += ["", "dropped:"]
         for reason, n in result.dropped.most_common():

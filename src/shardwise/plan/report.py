@@ -63,9 +63,15 @@ def layouts_table(cands: list[Candidate]) -> list[str]:
     return lines
 
 
-def breakdown(c: Candidate) -> list[str]:
-    """Every memory line with its formula and source, then the communication and the step time."""
-    lines = [f"memory per GPU of {c.layout.short()}:"]
+def does_not_fit(c: Candidate, budget_bytes: float, gpu_bytes: float) -> str:
+    return (f"does not fit: needs {gb(c.mem_bytes)} GB of {gb(budget_bytes)} GB "
+            f"({budget_bytes / gpu_bytes:.0%} of the GPU's {gpu_bytes / 1e9:.0f} GB)")
+
+
+def breakdown(c: Candidate, note: str = "") -> list[str]:
+    """Every memory line with its formula and source, then the communication and the step time
+    (``note``: said after the layout's name, e.g. that it does not fit)."""
+    lines = [f"memory per GPU of {c.layout.short()}" + (f" -- {note}:" if note else ":")]
     for line in c.memory.lines:
         where = "" if line.where == "device" else f" [{line.where}]"
         lines.append(f"  {line.name:<22} {gb(line.bytes):>9} GB{where}  {line.formula}  ({line.source})")

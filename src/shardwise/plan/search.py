@@ -49,6 +49,13 @@ class SearchResult:
     considered: int = 0
     fitting: int = 0
     """Layouts that passed every check and fit in memory (``ranked`` keeps the top ones)."""
+    over_budget: int = 0
+    """Layouts that passed every check but need more memory than the budget."""
+    smallest_over_budget: Candidate | None = None
+    """Of those, the one needing the least memory (with ``over_budget == 1``: the only layout the
+    config leaves, shown in full so that the user sees what to change)."""
+    budget_bytes: float = 0.0
+    """Device bytes a layout may use: ``memory_fraction`` of the GPU's memory."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -108,9 +115,9 @@ def search(m: ModelSpec, s: int, cluster: Cluster, fixed: dict, global_batch: in
     def opts(name, default):
         return [fixed[name]] if name in fixed else default
 
-    result = SearchResult(ranked=[])
-    ranked: list[Candidate] = []
     budget = cluster.gpu.memory_bytes * memory_fraction
+    result = SearchResult(ranked=[], budget_bytes=budget)
+    ranked: list[Candidate] = []
     params = None if m.n_experts else model_params(m)  # for the ZeRO engine's exact units, built once
 
     def drop(reason, lay):
@@ -156,6 +163,10 @@ def search(m: ModelSpec, s: int, cluster: Cluster, fixed: dict, global_batch: in
                                         if cand.mem_bytes > budget:
                                             drop(f"does not fit in {memory_fraction:.0%} of "
                                                  f"{cluster.gpu.memory_bytes / 1e9:.0f} GB", lay)
+                                            result.over_budget += 1
+                                            least = result.smallest_over_budget
+                                            if least is None or cand.mem_bytes < least.mem_bytes:
+                                                result.smallest_over_budget = cand
                                             continue
                                         ranked.append(cand)
     ranked.sort(key=lambda c: (-c.time.tokens_per_s, c.time.comm_sent_bytes, c.mem_bytes))
