@@ -83,10 +83,12 @@ def _batch(args, rank: int, step: int):
 
 
 def _wrap(kind: str, model: nn.Module, args):
+    from shardwise.config import CommConfig
+    from shardwise.dist.comm.compress import gradient_all_reduce
     from shardwise.parallel import DataParallel
 
-    if kind == "ours":
-        return DataParallel(model, bucket_mb=args.bucket_mb)
+    if kind == "ours":  # exactly as the trainer wraps it (train/engines.py): the configured all-reduce
+        return DataParallel(model, bucket_mb=args.bucket_mb, all_reduce_fn=gradient_all_reduce(CommConfig()))
     if kind == "torch":
         return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
     return model  # "plain": no gradient synchronisation (memory baseline)

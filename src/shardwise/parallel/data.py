@@ -152,7 +152,8 @@ class DataParallel(nn.Module):
         all_reduce_fn: ``fn(flat, group) -> Work | None`` summing ``flat`` in place;
             default the backend's native all-reduce. (Other algorithms plug in here.)
         comm_thread: call ``all_reduce_fn`` on a background thread so that a blocking
-            algorithm overlaps backward; default: for every fn but the native one.
+            algorithm overlaps backward; default: for every fn that does not return the backend's
+            asynchronous handle (the native all-reduce, or a fn whose ``asynchronous`` is true).
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0,
@@ -170,7 +171,8 @@ class DataParallel(nn.Module):
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._buckets: list[_Bucket] = []
         self._hooks = []
-        threaded = self.all_reduce_fn is not native_all_reduce if comm_thread is None else comm_thread
+        asynchronous = getattr(self.all_reduce_fn, "asynchronous", self.all_reduce_fn is native_all_reduce)
+        threaded = not asynchronous if comm_thread is None else comm_thread
         self._thread = CommThread(f"DataParallel comm thread (rank {dist.get_rank()})") if threaded else None
         if self.world_size == 1:
             return  # the average over one rank is the gradient itself: nothing to do

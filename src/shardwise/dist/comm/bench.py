@@ -6,8 +6,11 @@ For each algorithm and message size it reports the time, the algorithm bandwidth
 ``busbw = algbw * 2(N-1)/N``; reduce-scatter, all-gather, all-to-all, gather, scatter
 ``* (N-1)/N``; broadcast, reduce ``* 1``; the cost model's prediction and its error; and the
 ratio of busbw to native's, measured interleaved with it (A B A B ...; "native beside" is
-that native time, the "native" row the median of them). "auto" is what the calibrated
-cost model picks at each size. Times are the best of ``--reps`` (the slowest rank's).
+that native time, the "native" row the median of them). "auto" is timed as it really runs, beside
+native like the others: for all-reduce the trainer's own :class:`.compress.GradientAllReduce` with
+``algorithm="auto"`` (its calibration in the warm-up call, then the cost model's pick per size and
+the dispatch on every call); for the other collectives the calibrated model's ``choose`` and the
+chosen algorithm, on every call. Times are the best of ``--reps`` (the slowest rank's).
 
     shardwise bench comm --collective all_reduce --sizes 4K,1M,16M,64M --nproc 4 --json out.json --plot out.png
 """
@@ -88,6 +91,32 @@ def run_collective(collective: str, algorithm: str, nbytes: int, group, n: int, 
     raise ValueError(f"unknown collective {collective!r}")
 
 
+def _auto_closure(collective: str, nbytes: int, model, n: int):
+    """``(closure, pick)``: "auto" as the code that uses it runs it, and a function naming the
+    algorithm it ended up running."""
+    if collective == "all_reduce":
+        from .compress import GradientAllReduce
+
+        fn = GradientAllReduce("auto")
+        x = torch.randn(max(nbytes // 4 // n, 1) * n)  # as run_collective sizes it
+
+        def run():
+            work = fn(x, None)
+            if work is not None:
+                work.wait()
+
+        return run, lambda: next(iter(fn.choices.values()))
+    chosen = {}
+
+    def run_chosen():
+        real = model.choose(collective, nbytes)
+        if real not in chosen:
+            chosen[real] = run_collective(collective, real, nbytes, None, n)
+        chosen[real]()
+
+    return run_chosen, lambda: next(iter(chosen))
+
+
 def _measure(fns: list, reps: int, group) -> list[float]:
     """Best-of-``reps`` seconds of each closure (the slowest rank's), after one warm-up each.
 
@@ -127,9 +156,13 @@ def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace, out_path
         native = run_collective(coll, "native", size, None, nproc)
         timed: dict[str, tuple[float, float]] = {}  # algorithm -> (its time, native's time beside it)
         for alg in algs:
-            real = model.choose(coll, size) if alg == "auto" else alg
             if alg == "auto":
-                picks[size] = real
+                fn, pick = _auto_closure(coll, size, model, nproc)
+                t_native, t = _measure([native, fn], args.reps, None)
+                picks[size] = pick()
+                timed["auto"] = (t, t_native)
+                continue
+            real = alg
             if real not in timed:
                 if real == "native":
                     (t,) = _measure([native], args.reps, None)
@@ -141,7 +174,7 @@ def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace, out_path
         timed["native"] = (statistics.median(natives), statistics.median(natives))
         for alg in ["native", *algs]:
             real = picks[size] if alg == "auto" else alg
-            t, t_native = timed[real]
+            t, t_native = timed[alg if alg == "auto" else real]
             pred = model.predict(coll, real, size)
             algbw = size / t / 1e9
             rows.append({"size": size, "algorithm": alg, "chosen": real, "time_us": t * 1e6, "algbw_GBps": algbw,

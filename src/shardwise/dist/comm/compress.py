@@ -91,6 +91,12 @@ class GradientAllReduce:
         self.choices: dict[int, str] = {}
         """With "auto": the algorithm chosen for each bucket size (bytes)."""
 
+    @property
+    def asynchronous(self) -> bool:
+        """True when every call returns the backend's asynchronous handle at once (the native
+        algorithm without compression): a caller needs no thread of its own to overlap it."""
+        return self.algorithm == "native" and self.compression == "none"
+
     def pop_stats(self) -> CommStats:
         """What was handed to collectives and sent since the previous call (see :mod:`.counting`;
         the backend's own collectives' wire traffic is not visible, only what they were handed)."""
