@@ -20,9 +20,46 @@ from typing import Any
 
 import tomllib
 
+from shardwise.model.presets import PRESET_NAMES
+
 
 class ConfigError(ValueError):
     """A config value is invalid. The message is one line, fit to show a user."""
+
+
+# ---- the values of choice-valued fields (config_resolve validates with CHOICES; tests walk it) -------
+
+FLAVORS = ("gpt2", "llama")
+DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "hf")
+"""data.format (the same as shardwise.data.sources.FORMATS)."""
+TOKENIZERS = ("byte", "bpe")
+"""data.tokenizer's named values; a path to a tokenizer.json is valid too."""
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE_MODES = ("none", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "cpu", "disk")
+PP_SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
+"""parallel.pp_schedule (the same as shardwise.parallel.pipeline.SCHEDULES, which needs torch)."""
+PP_PARTITIONS = ("even", "params", "flops")
+"""parallel.pp_partition's methods; a list of stage boundaries ("2,5") is valid too."""
+BACKENDS = ("auto", "nccl", "gloo")
+DEVICES = ("auto", "cpu", "cuda")
+COMM_ALGORITHMS = ("auto", "native", "naive", "star", "ring", "rabenseifner", "recursive_doubling", "tree",
+                   "hierarchical", "torus")
+"""Gradient all-reduce algorithms (shardwise.dist.comm.allreduce; "auto" asks the cost model)."""
+COMM_COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")
+"""Gradient compression methods (shardwise.dist.comm.compress)."""
+
+CHOICES: dict[str, tuple] = {
+    "model.preset": PRESET_NAMES, "model.flavor": FLAVORS,
+    "data.format": DATA_FORMATS, "data.tokenizer": TOKENIZERS,
+    "train.precision": PRECISIONS, "train.recompute": RECOMPUTE_MODES,
+    "parallel.zero": ZERO_STAGES, "parallel.offload": OFFLOADS, "parallel.pp_schedule": PP_SCHEDULES,
+    "parallel.pp_partition": PP_PARTITIONS, "parallel.backend": BACKENDS, "run.device": DEVICES,
+    "comm.algorithm": COMM_ALGORITHMS, "comm.compression": COMM_COMPRESSIONS,
+}
+"""Every choice-valued field and the values it accepts (data.tokenizer and parallel.pp_partition also
+take a path / stage boundaries)."""
 
 
 @dataclass
@@ -48,7 +85,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
-    """Base of the rotary position frequencies (llama)."""
+    """With flavor = "llama": base of the rotary position frequencies."""
     dropout: float = 0.0
     """Dropout probability on attention and residual branches."""
     tie_embeddings: bool | None = None
@@ -63,14 +100,14 @@ class DataConfig:
     """"stdlib" (the running Python's standard library .py files), or a path: a directory of text
     files, a .txt, .jsonl or .parquet file, or a Hugging Face dataset saved with save_to_disk."""
     format: str = "auto"
-    """"auto" (by extension), "text", "jsonl", "parquet" or "hf"."""
+    """With a path as source: "auto" (by extension, or a directory's content), "text", "jsonl", "parquet" or "hf"."""
     text_field: str = "text"
-    """Field (jsonl) or column (parquet, hf) that holds the text."""
+    """With a jsonl, parquet or hf source: the field (jsonl) or column (parquet, hf) that holds the text."""
     tokenizer: str = "byte"
     """"byte" (UTF-8 bytes + end-of-text, no training), "bpe" (trained on the corpus with the
     tokenizers library and saved with the run), or a path to a tokenizer.json."""
     bpe_vocab_size: int = 4096
-    """Vocabulary size when tokenizer = "bpe"."""
+    """With tokenizer = "bpe": the vocabulary size to train."""
     seq_len: int | None = None
     """Tokens per training window; default model.max_seq_len."""
     val_fraction: float = 0.02
@@ -112,9 +149,9 @@ class TrainConfig:
     precision: str = "bf16"
     """"fp32", "bf16" (autocast) or "fp16" (autocast with a dynamic loss scaler). Master weights are fp32."""
     fp16_init_scale: float = 2.0**16
-    """Initial loss scale for fp16."""
+    """With precision = "fp16": the initial loss scale."""
     fp16_growth_interval: int = 2000
-    """Steps without overflow after which the fp16 loss scale doubles."""
+    """With precision = "fp16": steps without overflow after which the loss scale doubles."""
     recompute: str = "none"
     """Activation checkpointing: "none" or "full" (recompute blocks in backward)."""
     recompute_every: int = 1
@@ -165,7 +202,8 @@ class ParallelConfig:
     """With pp > 1: "naive", "gpipe", "1f1b", "interleaved" (with pp_virtual >= 2 chunks per rank) or "zb-h1"."""
     microbatches: int | None = None
     """With pp > 1: pipeline micro-batches per step and replica (= train.grad_accum; the micro-batches
-    of a step flow through the pipeline); default the largest of 4*pp, 2*pp, pp that divides the batch."""
+    of a step flow through the pipeline); default the largest of 4*pp, 2*pp, pp that divides the batch.
+    With pp = 1 it is refused: micro-batches accumulated per step are train.grad_accum."""
     pp_virtual: int = 1
     """With pp_schedule = "interleaved": model chunks per pipeline rank (v)."""
     pp_partition: str = "params"
@@ -174,38 +212,32 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Sequence parallelism with tensor parallelism (not implemented yet: must be false)."""
     bucket_mb: float = 25.0
-    """Gradient all-reduce bucket size in MiB."""
+    """Gradient bucket size in MiB (data parallel, pipeline, ZeRO-1/2; ZeRO-3 reduces per zero_unit)."""
     backend: str = "auto"
     """"auto" (nccl with GPUs, gloo otherwise), "nccl" or "gloo"."""
     timeout_s: float = 600.0
     """A collective that waits longer than this fails instead of hanging."""
 
 
-COMM_ALGORITHMS = ("auto", "native", "naive", "star", "ring", "rabenseifner", "recursive_doubling", "tree",
-                   "hierarchical", "torus")
-"""Gradient all-reduce algorithms (shardwise.dist.comm.allreduce; "auto" asks the cost model)."""
-
-COMM_COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")
-"""Gradient compression methods (shardwise.dist.comm.compress)."""
-
-
 @dataclass
 class CommConfig:
     algorithm: str = "native"
-    """Gradient all-reduce algorithm: "native" (the backend's own), "auto" (the calibrated cost
-    model picks per bucket size), or one of ours: "naive", "star", "ring", "rabenseifner",
-    "recursive_doubling", "tree", "hierarchical", "torus"."""
+    """Data-parallel gradient all-reduce algorithm (ZeRO reduces with the backend's own; only "native"):
+    "native" (the backend's own), "auto" (the calibrated cost model picks per bucket size), or one of
+    ours: "naive", "star", "ring", "rabenseifner", "recursive_doubling", "tree", "hierarchical", "torus".
+    With compression "int8" / "topk" (an all-to-all and an all-gather): "native" or "ring" (ours)."""
     compression: str = "none"
-    """Gradient compression: "none", "fp16", "bf16" (cast), "int8" (per-chunk absmax, error
-    feedback) or "topk" (sparsification, error feedback)."""
+    """Data-parallel gradient compression (ZeRO: parallel.zero_quant_grads): "none", "fp16", "bf16"
+    (cast), "int8" (per-chunk absmax, error feedback) or "topk" (sparsification, error feedback)."""
     topk_ratio: float = 0.01
-    """Fraction of gradient entries "topk" sends each step, in (0, 1]."""
+    """With compression = "topk": fraction of gradient entries sent each step, in (0, 1]."""
     node_size: int = 0
-    """Ranks per node for "hierarchical" (0: 2) and row length for "torus" (0: most square grid)."""
+    """With algorithm "hierarchical", "torus" or "auto": ranks per node for "hierarchical" (0: 2) and
+    row length for "torus" (0: most square grid)."""
     timeout_s: float = 0.0
-    """Seconds a gradient all-reduce waits for a peer before failing with an error naming the
-    collective (0: the process group's parallel.timeout_s, which also bounds the backend's own
-    uncompressed "native" all-reduce)."""
+    """With an algorithm other than "native": seconds our collectives wait for a peer before failing
+    with an error naming the collective (0: the process group's parallel.timeout_s, which alone bounds
+    the backend's own collectives)."""
 
 
 @dataclass
@@ -266,21 +298,36 @@ class Config:
                 raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
         cfg = cls.from_dict(tree)
         for dotted, text in (overrides or {}).items():
-            cfg.set(dotted, parse_value(text))
+            cfg.set_text(dotted, text)
         return cfg
 
     def set(self, dotted: str, value: Any) -> None:
         """Set one field by dotted name, converting and checking the type."""
+        hint = self._hint(dotted)
+        section_name, _, key = dotted.partition(".")
+        section = getattr(self, section_name)
+        setattr(section, key, _coerce(dotted, value, hint))
+
+    def set_text(self, dotted: str, text: str) -> None:
+        """Set one field from command-line text, as the same value written in TOML would set it.
+
+        A string-typed field takes the text verbatim ("none" stays "none", "1e3" stays "1e3");
+        other fields parse it as a TOML value (:func:`parse_value`)."""
+        hint = self._hint(dotted)
+        is_text = str in (typing.get_args(hint) or (hint,))
+        self.set(dotted, text if is_text and isinstance(text, str) else parse_value(text))
+
+    def _hint(self, dotted: str) -> Any:
+        """The type of the field ``dotted``, or ConfigError naming the nearest key."""
         section_name, _, key = dotted.partition(".")
         sections = {f.name for f in dataclasses.fields(self)}
         if section_name not in sections or not key:
             raise ConfigError(f"unknown config key {dotted!r}{_suggest(section_name, sections)}")
-        section = getattr(self, section_name)
-        hints = typing.get_type_hints(type(section))
+        hints = typing.get_type_hints(type(getattr(self, section_name)))
         if key not in hints:
             names = [f"{section_name}.{n}" for n in hints]
             raise ConfigError(f"unknown config key {dotted!r}{_suggest(dotted, names)}")
-        setattr(section, key, _coerce(dotted, value, hints[key]))
+        return hints[key]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -313,22 +360,25 @@ class Config:
 
 
 def parse_value(text: str) -> Any:
-    """Turn a command-line string into a TOML-like value: 3 -> int, 1e-3 -> float, true -> bool,
-    none -> None; anything else stays a string."""
+    """Turn a command-line string into a TOML-like value: 3 -> int, 1e-3 -> float, true -> bool;
+    anything else stays a string ("none" too: only a field that may be unset takes it as None)."""
     if not isinstance(text, str):
         return text
-    low = text.strip().lower()
-    if low in ("none", "null"):
-        return None
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
 
 
+NONE_WORDS = ("none", "null")
+"""Text that unsets a field whose type allows None (``--train.global_batch none``)."""
+
+
 def _coerce(dotted: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
     allowed = typing.get_args(hint) if origin in (typing.Union, types.UnionType) else (hint,)
+    if isinstance(value, str) and value.strip().lower() in NONE_WORDS and type(None) in allowed:
+        return None  # TOML has no null: "none" unsets a field that may be unset (never a str field's "none")
     if value is None:
         if type(None) in allowed:
             return None

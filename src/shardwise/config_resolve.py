@@ -4,7 +4,8 @@
 the section resolvers in dependency order: the model (preset sizes, vocabulary), the data, the device
 and backend, the parallel axes (``dp`` from the world size), the batch arithmetic
 (``global = micro * accum * dp``; with a pipeline, its micro-batches are the accumulation), the
-pipeline checks that need no processes, then the training hyper-parameters. Each raises
+pipeline checks that need no processes, the training hyper-parameters, and last any field set away
+from its default that the resolved layout would not read (:func:`_refuse_unused`). Each raises
 :class:`~shardwise.config.ConfigError` naming the dotted field, its value and what would be valid,
 so bad input fails before any worker starts.
 """
@@ -16,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.config import (
-    COMM_ALGORITHMS,
-    COMM_COMPRESSIONS,
+    CHOICES,
     Config,
     ConfigError,
     ModelConfig,
@@ -25,7 +25,7 @@ from shardwise.config import (
     RunConfig,
     TrainConfig,
 )
-from shardwise.model.presets import PRESET_NAMES, PRESETS
+from shardwise.model.presets import PRESETS
 
 
 def resolve_config(cfg: Config, world_size: int | None = None, tokenizer_vocab: int | None = None) -> None:
@@ -39,9 +39,12 @@ def resolve_config(cfg: Config, world_size: int | None = None, tokenizer_vocab: 
     _resolve_pipeline(cfg)
     _validate_train(cfg.train)
     _validate_misc(cfg)
+    _refuse_unused(cfg)
 
 
-def _choice(dotted: str, value: Any, options: tuple) -> None:
+def _choice(dotted: str, value: Any, options: tuple | None = None) -> None:
+    """``value`` must be one of ``options`` (default: ``CHOICES[dotted]``)."""
+    options = CHOICES[dotted] if options is None else options
     if value not in options:
         raise ConfigError(f"{dotted}={value!r} is not valid; use one of {', '.join(map(repr, options))}")
 
@@ -65,11 +68,11 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
         # a shape of its own under the default preset: a custom model, whose max_seq_len follows
         # data.seq_len rather than cpu-demo's 128 (a resolved config has max_seq_len: it stays as it is)
         m.preset, m.flavor = "custom", m.flavor or "gpt2"
-    _choice("model.preset", m.preset, PRESET_NAMES)
+    _choice("model.preset", m.preset)
     for key, value in PRESETS.get(m.preset, {}).items():
         if getattr(m, key) is None:
             setattr(m, key, value)
-    _choice("model.flavor", m.flavor, ("gpt2", "llama"))
+    _choice("model.flavor", m.flavor)
     for key in ("n_layers", "d_model", "n_heads"):
         if getattr(m, key) is None:
             raise ConfigError(f"model.{key} is not set; give it or choose a model.preset")
@@ -113,10 +116,10 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
 
 def _resolve_data(cfg: Config) -> None:
     d, m = cfg.data, cfg.model
-    _choice("data.format", d.format, ("auto", "text", "jsonl", "parquet", "hf"))
+    _choice("data.format", d.format)
     if d.source != "stdlib" and not Path(d.source).exists():
         raise ConfigError(f"data.source={d.source!r} does not exist; give a file or directory, or 'stdlib'")
-    if d.tokenizer not in ("byte", "bpe") and not Path(d.tokenizer).is_file():
+    if d.tokenizer not in CHOICES["data.tokenizer"] and not Path(d.tokenizer).is_file():
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} is neither 'byte', 'bpe' nor an existing tokenizer.json")
     if d.tokenizer == "bpe" and d.bpe_vocab_size < 260:
         raise ConfigError(f"data.bpe_vocab_size={d.bpe_vocab_size} is too small; use at least 260")
@@ -138,8 +141,8 @@ def _resolve_data(cfg: Config) -> None:
 
 def _resolve_device(r: RunConfig, p: ParallelConfig) -> None:
     """run.device picks the backend (cpu: gloo, cuda: nccl) and the default number of workers."""
-    _choice("run.device", r.device, ("auto", "cpu", "cuda"))
-    _choice("parallel.backend", p.backend, ("auto", "nccl", "gloo"))
+    _choice("run.device", r.device)
+    _choice("parallel.backend", p.backend)
     if r.device == "cpu":
         if p.backend == "nccl":
             raise ConfigError("parallel.backend='nccl' needs GPUs but run.device='cpu'; use 'gloo' or 'auto'")
@@ -180,9 +183,9 @@ def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
     for axis, name in (("tp", "tensor"), ("cp", "context"), ("ep", "expert")):
         if getattr(p, axis) != 1:
             raise ConfigError(f"parallel.{axis}={getattr(p, axis)}: {name} parallelism is not implemented yet; use 1")
-    if p.zero not in (0, 1, 2, 3):
+    if p.zero not in CHOICES["parallel.zero"]:
         raise ConfigError(f"parallel.zero={p.zero}: use 0 (off), 1, 2 or 3")
-    if p.offload not in ("none", "cpu", "disk"):
+    if p.offload not in CHOICES["parallel.offload"]:
         raise ConfigError(f"parallel.offload={p.offload!r}: use 'none', 'cpu' or 'disk'")
     if p.offload != "none" and p.zero == 0:
         raise ConfigError(f"parallel.offload={p.offload!r} needs ZeRO; set parallel.zero to 1, 2 or 3")
@@ -261,6 +264,8 @@ def _resolve_pipeline(cfg: Config) -> None:
     """Pipeline checks that need no processes (stages vs layers, schedule vs micro-batches), before spawning."""
     p = cfg.parallel
     _positive("parallel.pp_virtual", p.pp_virtual)
+    _choice("parallel.pp_schedule", p.pp_schedule)
+    method, boundaries = pipeline_partition(p.pp_partition)
     if p.pp == 1:
         if p.pp_virtual != 1:
             raise ConfigError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp > 1; use 1")
@@ -274,7 +279,6 @@ def _resolve_pipeline(cfg: Config) -> None:
     try:
         check_pipeline(cfg.model.n_layers, p.pp, p.pp_schedule, p.microbatches,
                        cfg.train.micro_batch * p.microbatches, p.pp_virtual)
-        method, boundaries = pipeline_partition(p.pp_partition)
         if method == "manual":  # a cost-balanced split always exists once there are enough layers
             partition(cfg.model, p.pp * p.pp_virtual, method, boundaries)
     except ValueError as e:
@@ -286,7 +290,7 @@ def pipeline_partition(text: str) -> tuple[str, list[int] | None]:
     text = str(text).strip()
     if text and all(part.strip().isdigit() for part in text.split(",")):
         return "manual", [int(part) for part in text.split(",")]
-    if text not in ("even", "params", "flops"):
+    if text not in CHOICES["parallel.pp_partition"]:
         raise ConfigError(f"parallel.pp_partition={text!r} is not valid; use 'even', 'params', 'flops' "
                           "or the first block of each stage after the first, e.g. '2,5'")
     return text, None
@@ -307,10 +311,10 @@ def _validate_train(t: TrainConfig) -> None:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be in [0, 1)")
     _positive("train.eps", t.eps)
     _positive("train.grad_clip", t.grad_clip, allow_zero=True)
-    _choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
+    _choice("train.precision", t.precision)
     _positive("train.fp16_init_scale", t.fp16_init_scale)
     _positive("train.fp16_growth_interval", t.fp16_growth_interval)
-    _choice("train.recompute", t.recompute, ("none", "full"))
+    _choice("train.recompute", t.recompute)
     _positive("train.recompute_every", t.recompute_every)
     _positive("train.eval_every", t.eval_every, allow_zero=True)
     _positive("train.eval_batches", t.eval_batches)
@@ -318,14 +322,92 @@ def _validate_train(t: TrainConfig) -> None:
 
 
 def _validate_misc(cfg: Config) -> None:
-    _choice("comm.algorithm", cfg.comm.algorithm, COMM_ALGORITHMS)
-    _choice("comm.compression", cfg.comm.compression, COMM_COMPRESSIONS)
+    _choice("comm.algorithm", cfg.comm.algorithm)
+    _choice("comm.compression", cfg.comm.compression)
     if not 0 < cfg.comm.topk_ratio <= 1:
         raise ConfigError(f"comm.topk_ratio={cfg.comm.topk_ratio} is not valid; use a fraction in (0, 1]")
     _positive("comm.node_size", cfg.comm.node_size, allow_zero=True)
     _positive("comm.timeout_s", cfg.comm.timeout_s, allow_zero=True)
     _positive("ckpt.every", cfg.ckpt.every, allow_zero=True)
     _positive("ckpt.keep", cfg.ckpt.keep)
+
+
+def _refuse_unused(cfg: Config) -> None:
+    """Refuse a field set (away from its default) that the resolved layout never reads, naming what would
+    read it: a setting that silently does nothing misleads. Rules run in order; the first that fails is
+    reported, so a cause (comm.compression under ZeRO) is named before its consequences (comm.topk_ratio)."""
+    m, d, t, p, c = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.comm
+    zero = f"ZeRO (parallel.zero={p.zero})"
+    own = "shardwise's own collective algorithms"
+    rules = [  # (dotted field, read in this layout?, why not and what to do instead)
+        ("model.rope_theta", m.flavor == "llama", f"sets rotary embeddings, which model.flavor={m.flavor!r} "
+         "does not use; use model.flavor='llama' or remove it"),
+        ("data.format", d.source != "stdlib", "describes a data.source file or directory, but data.source='stdlib' "
+         "is the standard library's .py files; give data.source a path or remove it"),
+        ("data.text_field", _source_kind(d) not in ("stdlib", "text"), f"names a jsonl field or a parquet / hf "
+         f"column, but data.source={d.source!r} is read as plain text; remove it or give such a data.source"),
+        ("data.bpe_vocab_size", d.tokenizer == "bpe",
+         f"sizes a trained BPE tokenizer, but data.tokenizer={d.tokenizer!r}; set data.tokenizer='bpe' or remove it"),
+        ("train.recompute_every", t.recompute == "full", f"applies to train.recompute='full', but train.recompute="
+         f"{t.recompute!r}; set train.recompute='full' or remove it"),
+        ("train.fp16_init_scale", t.precision == "fp16", f"configures the fp16 loss scaler, but train.precision="
+         f"{t.precision!r} has none; set train.precision='fp16' or remove it"),
+        ("train.fp16_growth_interval", t.precision == "fp16", f"configures the fp16 loss scaler, but "
+         f"train.precision={t.precision!r} has none; set train.precision='fp16' or remove it"),
+        ("parallel.microbatches", p.pp > 1, f"counts a pipeline's micro-batches, but parallel.pp=1; use "
+         f"train.grad_accum={p.microbatches} for micro-batches accumulated per step"),
+        ("parallel.pp_schedule", p.pp > 1, "orders a pipeline's stages, but parallel.pp=1; set parallel.pp > 1 or "
+         "remove it"),
+        ("parallel.pp_partition", p.pp > 1, "splits the model into pipeline stages, but parallel.pp=1; "
+         "set parallel.pp > 1 or remove it"),
+        ("parallel.zero_unit", p.zero == 3, f"groups ZeRO-3's parameter gathers, but parallel.zero={p.zero}; "
+         "set parallel.zero=3 or remove it"),
+        ("parallel.bucket_mb", p.zero != 3, "sizes gradient buckets, but ZeRO-3 (parallel.zero=3) gathers and "
+         "reduces whole units; set parallel.zero_unit (blocks per unit) instead"),
+        ("parallel.offload_dir", p.offload == "disk", f"is where parallel.offload='disk' writes, but "
+         f"parallel.offload={p.offload!r}; set parallel.offload='disk' or remove it"),
+        ("comm.algorithm", not p.zero, f"applies to the data-parallel all-reduce; {zero} reduces with the "
+         "backend's reduce-scatter and all-gather; use comm.algorithm='native'"),
+        ("comm.compression", not p.zero, f"applies to the data-parallel all-reduce; {zero} reduces with the "
+         "backend's reduce-scatter; use parallel.zero_quant_grads for compressed ZeRO gradients"),
+        ("comm.timeout_s", not p.zero, f"bounds {own}; {zero} runs the backend's collectives, which "
+         "parallel.timeout_s bounds; set parallel.timeout_s instead"),
+        ("comm.algorithm", c.compression not in ("int8", "topk") or c.algorithm == "ring",
+         f"is an all-reduce algorithm, but comm.compression={c.compression!r} sends an all-to-all and an all-gather "
+         "instead; use comm.algorithm='native' (the backend's) or 'ring' (ours)"),
+        ("comm.timeout_s", c.algorithm != "native", f"bounds {own}, but comm.algorithm='native' runs the backend's, "
+         "which parallel.timeout_s bounds; set parallel.timeout_s instead, or another comm.algorithm"),
+        ("comm.topk_ratio", c.compression == "topk", f"applies to comm.compression='topk', but comm.compression="
+         f"{c.compression!r}; set comm.compression='topk' or remove it"),
+        ("comm.node_size", c.algorithm in ("hierarchical", "torus", "auto"), f"shapes the 'hierarchical' and "
+         f"'torus' all-reduce (and what 'auto' picks), but comm.algorithm={c.algorithm!r}; remove it"),
+    ]
+    for dotted, read, why in rules:
+        value = _field(cfg, dotted)
+        if not read and value != _field(DEFAULTS, dotted):
+            raise ConfigError(f"{dotted}={value!r} {why}")
+
+
+DEFAULTS = Config()
+"""The tree as constructed: a field equal to its default here counts as not set."""
+
+
+def _field(cfg: Config, dotted: str) -> Any:
+    section, _, key = dotted.partition(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _source_kind(d) -> str | None:
+    """What ``data.source`` is read as ("stdlib", "text", "jsonl", "parquet", "hf"); only computed when
+    ``data.text_field`` is set, as a directory's format is found by scanning it. None: unknown."""
+    if d.text_field == DEFAULTS.data.text_field:
+        return None
+    from shardwise.data.sources import DataError, open_source
+
+    try:
+        return open_source(d.source, d.format).kind
+    except DataError:
+        return None  # the data layer names the problem when it reads the source
 
 
 def _cuda_available() -> bool:

@@ -1,0 +1,358 @@
+"""Every field of the config tree does what it says: the same on the command line as in TOML, and
+either honoured by the layout or refused with one line before any worker starts.
+
+The choices and the fields are walked from the code (``CHOICES``, the dataclasses), so a new choice or
+a new field is covered, or fails here until it is: a new field needs an entry in ``PROOFS``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import itertools
+import re
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+import shardwise.config as config_module
+from shardwise.cli import main, split_overrides
+from shardwise.config import CHOICES, Config, ConfigError
+
+SRC = Path(config_module.__file__).parent
+BASE = {"parallel.nproc": "2"}
+"""Two workers whatever the machine (the default would count GPUs): dp = 2."""
+
+
+def all_fields() -> list[str]:
+    cfg = Config()
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, s.name))]
+
+
+def field_docs() -> dict[str, str]:
+    """The docstring under each field of the config dataclasses, read from config.py's source."""
+    sections = {type(getattr(Config(), s.name)).__name__: s.name for s in dataclasses.fields(Config)}
+    docs = {}
+    for node in ast.parse(inspect.getsource(config_module)).body:
+        if isinstance(node, ast.ClassDef) and node.name in sections:
+            for stmt, after in itertools.pairwise(node.body):
+                if isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr):
+                    docs[f"{sections[node.name]}.{stmt.target.id}"] = after.value.value
+    return docs
+
+
+def texts(overrides: dict) -> dict[str, str]:
+    """Overrides as the command line gives them."""
+    return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in overrides.items()}
+
+
+def resolve(overrides: dict) -> Config:
+    return Config.load(overrides=texts({**BASE, **overrides})).resolve(tokenizer_vocab=257)
+
+
+# ---- 1. every documented choice: the same value in TOML and on the command line --------------------
+
+
+def _context(dotted: str, value, tmp_path: Path) -> dict:
+    """What else a choice needs to be read (a pipeline for its schedule, ZeRO for offload, ...)."""
+    if dotted == "model.preset" and value == "custom":
+        return {"model.flavor": "gpt2", "model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4,
+                "model.max_seq_len": 64}
+    if dotted == "data.format":
+        return {"data.source": str(tmp_path)}
+    if dotted == "parallel.offload":
+        return {"parallel.zero": 1}
+    if dotted == "parallel.pp_schedule":
+        return {"parallel.pp": 2, **({"parallel.pp_virtual": 2} if value == "interleaved" else {})}
+    if dotted == "parallel.pp_partition":
+        return {"parallel.pp": 2}
+    return {}
+
+
+EXTRA_VALUES = {"parallel.pp_partition": ("2",), "data.tokenizer": ("{tmp}/tokenizer.json",)}
+"""Documented forms beyond the named choices: stage boundaries, a tokenizer file."""
+
+CASES = [(d, v) for d, options in CHOICES.items() for v in (*options, *EXTRA_VALUES.get(d, ()))]
+
+
+def _outcome(load) -> Config | str:
+    try:
+        return load().resolve(tokenizer_vocab=257)
+    except ConfigError as e:
+        return f"error: {e}"
+
+
+@pytest.mark.parametrize(("dotted", "value"), CASES, ids=[f"{d}={v}" for d, v in CASES])
+def test_every_choice_is_the_same_in_toml_and_on_the_command_line(dotted, value, tmp_path):
+    value = value.format(tmp=tmp_path) if isinstance(value, str) else value
+    (tmp_path / "tokenizer.json").write_text("{}")
+    given = {**BASE, **_context(dotted, value, tmp_path), dotted: value}
+    tree: dict[str, dict] = {}
+    for key, v in given.items():
+        section, _, name = key.partition(".")
+        tree.setdefault(section, {})[name] = int(v) if key == "parallel.nproc" else v
+    toml = tmp_path / "c.toml"
+    toml.write_text(tomli_w.dumps(tree))
+    argv = ["config", "show"] + [a for k, v in texts(given).items() for a in (f"--{k}", v)]
+    _, overrides = split_overrides(argv)
+
+    from_toml = _outcome(lambda: Config.load(toml))
+    from_cli = _outcome(lambda: Config.load(overrides=overrides))
+    assert from_cli == from_toml
+    if (dotted, value) == ("run.device", "cuda") and not __import__("torch").cuda.is_available():
+        assert from_cli == "error: run.device='cuda' but no GPU is visible; use 'cpu' or 'auto'"
+        return
+    assert not isinstance(from_cli, str), from_cli
+    section, _, name = dotted.partition(".")
+    assert getattr(getattr(from_cli, section), name) == value
+
+
+def test_none_is_text_for_a_text_field_and_unsets_an_optional_one(capsys):
+    cfg = Config.load(overrides={"train.recompute": "none", "parallel.offload": "none", "model.flavor": "none",
+                                 "train.global_batch": "null", "train.micro_batch": "2", "train.grad_accum": "2",
+                                 "run.dir": "1e3", "data.cache_dir": "true"})
+    assert (cfg.train.recompute, cfg.parallel.offload) == ("none", "none")
+    assert (cfg.model.flavor, cfg.train.global_batch) == (None, None)
+    assert (cfg.run.dir, cfg.data.cache_dir) == ("1e3", "true"), "text fields keep the text as typed"
+    with pytest.raises(ConfigError, match=r"train.steps='none' is not a int"):
+        Config.load(overrides={"train.steps": "none"})
+    assert main(["config", "show", "--train.recompute", "none", "--parallel.offload", "none"]) == 0
+    assert 'recompute = "none"' in capsys.readouterr().out
+
+
+def test_choice_tuples_equal_their_consumers():
+    """config.py holds the choices without importing torch; they must not drift from the code that runs them."""
+    from shardwise.data.sources import FORMATS
+    from shardwise.dist.comm.allreduce import ALL_REDUCE_ALGORITHMS
+    from shardwise.dist.comm.compress import COMPRESSIONS
+    from shardwise.parallel.pipeline import SCHEDULES
+    from shardwise.parallel.pipeline.partition import METHODS
+
+    assert CHOICES["parallel.pp_schedule"] == SCHEDULES
+    assert CHOICES["parallel.pp_partition"] == METHODS
+    assert CHOICES["data.format"] == FORMATS
+    assert CHOICES["comm.compression"] == COMPRESSIONS
+    assert set(CHOICES["comm.algorithm"]) == {"auto", *ALL_REDUCE_ALGORITHMS}
+
+
+FREE_TEXT = {"data.source", "data.text_field", "data.cache_dir", "parallel.offload_dir", "run.dir"}
+"""Text fields that are not a choice among names (paths, a column name)."""
+
+
+def test_every_text_field_is_a_choice_or_free_text():
+    """A new text field with named values must enter CHOICES (and so the test above)."""
+    cfg = Config()
+    text = {f"{s.name}.{name}" for s in dataclasses.fields(cfg)
+            for name, hint in typing.get_type_hints(type(getattr(cfg, s.name))).items()
+            if str in (typing.get_args(hint) or (hint,))}
+    assert set(CHOICES) <= set(all_fields()) and FREE_TEXT <= text
+    assert not text - FREE_TEXT - set(CHOICES), "a text field is neither in CHOICES nor FREE_TEXT"
+
+
+# ---- 2. every field is honoured or refused --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reads:
+    """Read as ``.field`` (or ``pattern``) in each of these files under src/shardwise (not config*.py)."""
+
+    files: tuple[str, ...]
+    pattern: str = ""
+
+
+@dataclass(frozen=True)
+class Derives:
+    """A non-default value changes these resolved fields."""
+
+    overrides: dict
+    changes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Refused:
+    """With these overrides (the field among them) resolution fails with one line that starts with the field
+    and contains ``fragment``; without the field the same layout resolves."""
+
+    overrides: dict
+    fragment: str
+
+
+def reads(*files: str, pattern: str = "") -> Reads:
+    return Reads(files, pattern)
+
+
+NOT_IMPLEMENTED = {"parallel.tp", "parallel.cp", "parallel.ep", "parallel.sequence_parallel"}
+"""Named in the tree for the planner and refused by the trainer until the technique exists."""
+
+PROOFS: dict[str, tuple] = {
+    "model.preset": (Derives({"model.preset": "tiny"}, ("model.d_model", "model.n_layers")),),
+    "model.flavor": (reads("model/transformer.py"),),
+    "model.n_layers": (reads("model/transformer.py"),),
+    "model.d_model": (reads("model/transformer.py"),),
+    "model.n_heads": (reads("model/transformer.py"),),
+    "model.n_kv_heads": (reads("model/transformer.py"),
+                         Refused({"model.n_kv_heads": 2}, "the gpt2 flavor has no grouped-query attention")),
+    "model.d_ff": (reads("model/transformer.py"),),
+    "model.vocab_size": (reads("model/transformer.py"),),
+    "model.max_seq_len": (reads("model/transformer.py"),),
+    "model.norm_eps": (reads("model/transformer.py"),),
+    "model.rope_theta": (reads("model/transformer.py"),
+                         Refused({"model.rope_theta": 5e5}, "model.flavor='gpt2' does not use")),
+    "model.dropout": (reads("model/transformer.py"),),
+    "model.tie_embeddings": (reads("model/transformer.py"),),
+    "model.init_std": (reads("model/transformer.py"),),
+    "data.source": (reads("data/cache.py"),),
+    "data.format": (reads("data/cache.py"), Refused({"data.format": "jsonl"}, "data.source='stdlib'")),
+    "data.text_field": (reads("data/cache.py"), Refused({"data.text_field": "body"}, "read as plain text")),
+    "data.tokenizer": (reads("data/cache.py"),),
+    "data.bpe_vocab_size": (reads("data/cache.py"),
+                            Refused({"data.bpe_vocab_size": 300}, "but data.tokenizer='byte'")),
+    "data.seq_len": (reads("train/loop.py"),),
+    "data.val_fraction": (reads("data/cache.py"),),
+    "data.max_bytes": (reads("data/cache.py"),),
+    "data.cache_dir": (reads("data/cache.py"),),
+    "train.steps": (reads("train/loop.py"),),
+    "train.global_batch": (reads("train/loop.py"), Derives({"train.global_batch": 16}, ("train.micro_batch",))),
+    "train.micro_batch": (reads("train/loop.py"), Derives({"train.micro_batch": 4}, ("train.grad_accum",))),
+    "train.grad_accum": (Derives({"train.grad_accum": 2}, ("train.micro_batch",)),),
+    "train.lr": (reads("train/optim.py"),),
+    "train.min_lr": (reads("train/optim.py"),),
+    "train.warmup_steps": (reads("train/optim.py"),),
+    "train.weight_decay": (reads("train/optim.py"),),
+    "train.beta1": (reads("train/optim.py"),),
+    "train.beta2": (reads("train/optim.py"),),
+    "train.eps": (reads("train/optim.py"),),
+    "train.grad_clip": (reads("train/loop.py"),),
+    "train.seed": (reads("train/loop.py"),),
+    "train.precision": (reads("train/loop.py"),),
+    "train.fp16_init_scale": (reads("train/loop.py"),
+                              Refused({"train.fp16_init_scale": 1024}, "train.precision='bf16' has none")),
+    "train.fp16_growth_interval": (reads("train/loop.py"),
+                                   Refused({"train.precision": "fp32", "train.fp16_growth_interval": 100},
+                                           "train.precision='fp32' has none")),
+    "train.recompute": (reads("train/engines.py"),),
+    "train.recompute_every": (reads("train/engines.py"),
+                              Refused({"train.recompute_every": 2}, "but train.recompute='none'")),
+    "train.eval_every": (reads("train/loop.py"),),
+    "train.eval_batches": (reads("train/loop.py"),),
+    "train.peak_flops": (reads("train/loop.py"),),
+    "parallel.nproc": (reads("launch.py"), Derives({"parallel.nproc": 1}, ("parallel.dp",))),
+    "parallel.nnodes": (reads("launch.py"), Derives({"parallel.nnodes": 2}, ("parallel.dp",))),
+    "parallel.dp": (reads("dist/mesh.py"),),
+    "parallel.tp": (Refused({"parallel.tp": 2}, "tensor parallelism is not implemented yet"),),
+    "parallel.pp": (reads("train/engines.py"), Derives({"parallel.pp": 2}, ("parallel.dp", "parallel.microbatches"))),
+    "parallel.cp": (Refused({"parallel.cp": 2}, "context parallelism is not implemented yet"),),
+    "parallel.ep": (Refused({"parallel.ep": 2}, "expert parallelism is not implemented yet"),),
+    "parallel.zero": (reads("train/engines.py"),),
+    "parallel.zero_unit": (reads("train/engines.py"),
+                           Refused({"parallel.zero": 2, "parallel.zero_unit": 2}, "set parallel.zero=3")),
+    "parallel.offload": (reads("train/engines.py"), Refused({"parallel.offload": "cpu"}, "needs ZeRO")),
+    "parallel.offload_dir": (reads("train/engines.py"),
+                             Refused({"parallel.zero": 1, "parallel.offload_dir": "/tmp/x"}, "offload='none'")),
+    "parallel.zero_quant_weights": (reads("train/engines.py"),
+                                    Refused({"parallel.zero": 2, "parallel.zero_quant_weights": True}, "zero=3")),
+    "parallel.zero_quant_grads": (reads("train/engines.py"),
+                                  Refused({"parallel.zero_quant_grads": True}, "needs ZeRO")),
+    "parallel.zero_hpz": (reads("train/engines.py"),
+                          Refused({"parallel.zero": 2, "parallel.zero_hpz": 2}, "set parallel.zero=3")),
+    "parallel.pp_schedule": (reads("train/pipeline_engine.py"),
+                             Refused({"parallel.pp_schedule": "gpipe"}, "but parallel.pp=1")),
+    "parallel.microbatches": (reads("train/pipeline_engine.py"),
+                              Refused({"parallel.microbatches": 4}, "use train.grad_accum=4")),
+    "parallel.pp_virtual": (reads("train/pipeline_engine.py"),
+                            Refused({"parallel.pp_virtual": 2}, "needs parallel.pp > 1"),
+                            Refused({"parallel.pp": 2, "parallel.pp_virtual": 2}, "needs pp_schedule='interleaved'")),
+    "parallel.pp_partition": (reads("train/pipeline_engine.py"),
+                              Refused({"parallel.pp_partition": "flops"}, "but parallel.pp=1")),
+    "parallel.sequence_parallel": (Refused({"parallel.sequence_parallel": True}, "not implemented yet"),),
+    "parallel.bucket_mb": (reads("train/engines.py"),
+                           Refused({"parallel.zero": 3, "parallel.bucket_mb": 1}, "ZeRO-3 (parallel.zero=3)")),
+    "parallel.backend": (reads("train/loop.py"),),
+    "parallel.timeout_s": (reads("train/loop.py", pattern=r"parallel\.timeout_s"),),
+    "comm.algorithm": (reads("dist/comm/compress.py"),
+                       Refused({"parallel.zero": 1, "comm.algorithm": "auto"}, "use comm.algorithm='native'"),
+                       Refused({"comm.compression": "int8", "comm.algorithm": "tree"}, "'native' (the backend's)")),
+    "comm.compression": (reads("dist/comm/compress.py"),
+                         Refused({"parallel.zero": 2, "comm.compression": "int8"}, "parallel.zero_quant_grads")),
+    "comm.topk_ratio": (reads("dist/comm/compress.py"),
+                        Refused({"comm.topk_ratio": 0.1}, "but comm.compression='none'")),
+    "comm.node_size": (reads("dist/comm/compress.py"),
+                       Refused({"comm.node_size": 2}, "but comm.algorithm='native'")),
+    "comm.timeout_s": (reads("dist/comm/compress.py", pattern=r"comm_cfg\.timeout_s"),
+                       Refused({"comm.timeout_s": 30}, "comm.algorithm='native' runs the backend's"),
+                       Refused({"parallel.zero": 3, "comm.algorithm": "native", "comm.timeout_s": 30},
+                               "ZeRO (parallel.zero=3) runs the backend's")),
+    "ckpt.every": (reads("train/loop.py"),),
+    "ckpt.keep": (reads("train/loop.py"),),
+    "ckpt.resume": (reads("train/loop.py"),),
+    "run.dir": (reads("launch.py"),),
+    "run.device": (Derives({"run.device": "cpu"}, ("parallel.backend",)),),
+    "run.progress": (reads("train/loop.py"),),
+    "run.tensorboard": (reads("train/loop.py"),),
+}
+"""How each field is proven to matter: read by a named consumer, deriving other fields, and (for a field
+read only in some layouts) refused in a layout that would not read it."""
+
+
+def test_every_field_has_a_proof():
+    missing = [d for d in all_fields() if d not in PROOFS]
+    assert not missing, f"add {missing} to PROOFS: how is each honoured, or refused where it is not read?"
+    assert not set(PROOFS) - set(all_fields()), "PROOFS names fields the tree no longer has"
+
+
+def test_conditional_fields_are_refused_where_they_do_nothing():
+    """A field documented as "With X: ..." is read only when X holds: it needs a refusal where X does not."""
+    docs = field_docs()
+    assert set(docs) == set(all_fields())
+    conditional = [d for d, doc in docs.items() if doc.startswith("With ")]
+    assert len(conditional) > 10
+    for dotted in conditional:
+        assert any(isinstance(p, Refused) for p in PROOFS.get(dotted, ())), f"{dotted} is never refused"
+
+
+def _source(rel: str) -> str:
+    assert not Path(rel).name.startswith("config"), "a consumer is code that uses the setting, not the config"
+    return (SRC / rel).read_text()
+
+
+@pytest.mark.parametrize("dotted", all_fields())
+def test_field_is_honoured_or_refused(dotted):
+    proofs = PROOFS.get(dotted)
+    if proofs is None:
+        pytest.fail(f"{dotted} has no entry in PROOFS")
+    kinds = {type(p) for p in proofs}
+    if dotted in NOT_IMPLEMENTED:
+        assert kinds == {Refused}, f"{dotted} is not implemented: it can only be refused"
+    else:
+        assert kinds & {Reads, Derives}, f"{dotted}: nothing shows that it is honoured"
+    base = resolve({})
+    for proof in proofs:
+        if isinstance(proof, Reads):
+            pattern = proof.pattern or rf"\.{dotted.split('.')[1]}\b"
+            for rel in proof.files:
+                assert re.search(pattern, _source(rel)), f"{dotted}: {pattern!r} is not read in src/shardwise/{rel}"
+        elif isinstance(proof, Derives):
+            assert dotted in proof.overrides
+            cfg = resolve(proof.overrides)
+            for changed in proof.changes:
+                section, _, name = changed.partition(".")
+                assert getattr(getattr(cfg, section), name) != getattr(getattr(base, section), name), changed
+        else:
+            assert dotted in proof.overrides, "a refusal proves something about its own field"
+            with pytest.raises(ConfigError) as e:
+                resolve(proof.overrides)
+            message = str(e.value)
+            assert message.startswith(f"{dotted}=") and "\n" not in message, message
+            assert proof.fragment in message, message
+            resolve({k: v for k, v in proof.overrides.items() if k != dotted})  # the same layout without it
+
+
+def test_refusal_on_the_command_line_names_the_field(capsys):
+    assert main(["config", "show", "--parallel.microbatches", "4"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: parallel.microbatches=4 counts a pipeline's micro-batches, but parallel.pp=1; "
+        "use train.grad_accum=4 for micro-batches accumulated per step")
