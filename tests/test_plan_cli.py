@@ -90,7 +90,10 @@ def test_compare(capsys, tmp_path):
     with torch.device("meta"):
         n = Transformer(resolved.model).num_parameters()
     assert doc["predicted"]["parameters"] == n
-    assert doc["predicted"]["comm_bytes"] == 4 * n  # fp32 gradients, one all-reduce per step
+    with torch.device("meta"):
+        tensors = len(list(Transformer(resolved.model).parameters()))
+    # fp32 gradients plus DataParallel's one fp32 "had a gradient" flag per tensor, one all-reduce per step
+    assert doc["predicted"]["comm_bytes"] == 4 * (n + tensors)
     assert doc["measured"]["tokens_per_s"] == 1002.5 and doc["measured"]["mem_peak_rss_bytes"] == 5e8
     rc, out, _ = run(capsys, ["--compare", str(tmp_path)], {})
     assert "comm_bytes" in out and "mem_optimizer_bytes" in out and "not yet activations" in out
