@@ -6,9 +6,14 @@ These run real subprocesses (the elastic launcher, torchrun), so they are few an
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,3 +72,56 @@ def test_torchrun_entry(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = (tmp_path / "runs" / "tr" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4  # step 0 (validation of the untrained model) and steps 1-3
+
+
+INTERRUPTED = re.compile(r"interrupted at step (\d+); the newest checkpoint is step (\d+) -- "
+                         r"continue with `(shardwise train (\S+) --resume)`")
+
+
+def _interrupt_once_trained(cmd: list[str], cwd: Path, run_dir: Path, past: int) -> subprocess.CompletedProcess:
+    """Start ``cmd`` in a session of its own, wait (generously) until metrics.jsonl holds more than ``past``
+    records and a checkpoint exists, then press Ctrl-C: SIGINT to the whole process group, as a terminal does."""
+    from shardwise.train.checkpoint import list_checkpoints
+
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            if len(lines) > past + 1 and list_checkpoints(run_dir / "checkpoints"):
+                break
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def test_ctrl_c_says_where_the_run_stood_and_how_to_continue(tmp_path):
+    """Ctrl-C during `shardwise train` (2 workers): exit 130 and one line naming the last step, the
+    newest checkpoint and the command that resumes; that command resumes from that checkpoint."""
+    from shardwise.train.metrics import read_metrics
+
+    run_dir = tmp_path / "runs" / "ctrl-c"
+    cmd = [sys.executable, "-m", "shardwise.cli", "train", *TINY, "--train.steps", "500", "--ckpt.every", "2",
+           "--parallel.nproc", "2", "--run.dir", "runs/ctrl-c", "--data.cache_dir", str(tmp_path / "cache")]
+    proc = _interrupt_once_trained(cmd, tmp_path, run_dir, past=1)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]  # no traceback, no launcher noise
+    match = INTERRUPTED.fullmatch(proc.stderr.strip())
+    assert match, proc.stderr
+    step, newest, command, config = int(match[1]), int(match[2]), match[3], match[4]
+    assert step == [r["step"] for r in read_metrics(run_dir) if "loss" in r][-1]
+    assert f"step_{newest:08d}" == sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1]
+    assert tmp_path / config == run_dir / "config.toml" and 2 <= newest <= step < 500  # relative to the cwd
+
+    before = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    resume = [sys.executable, "-m", "shardwise.cli", *shlex.split(command)[1:]]
+    proc = _interrupt_once_trained(resume, tmp_path, run_dir, past=before)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert INTERRUPTED.fullmatch(proc.stderr.strip()), proc.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[before]["step"] == newest + 1  # the resumed run went on from that checkpoint

@@ -98,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(error: Exception, debug: bool) -> int:
-    from shardwise.launch import WorkerFailed
+    from shardwise.launch import Interrupted, WorkerFailed
 
+    if isinstance(error, Interrupted):  # not an error: where the run stood and the command that continues it
+        print(error, file=sys.stderr)
+        return error.exit_code
     if debug:
         traceback.print_exc()
         if isinstance(error, WorkerFailed) and error.traceback_text:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import shlex
+import signal
 import uuid
 from pathlib import Path
 
@@ -24,6 +26,43 @@ class WorkerFailed(RuntimeError):
     def __init__(self, message: str, traceback_text: str = ""):
         super().__init__(message)
         self.traceback_text = traceback_text
+
+
+class Interrupted(Exception):
+    """The run was stopped by a signal (Ctrl-C: SIGINT; SIGTERM); the message says where it stood and
+    the command that continues it. ``exit_code`` is the shell's convention, 128 + the signal number."""
+
+    def __init__(self, run_dir: Path, signum: int = signal.SIGINT):
+        self.run_dir, self.signum = Path(run_dir), int(signum)
+        super().__init__(interruption_text(self.run_dir, self.signum))
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def interruption_text(run_dir: Path, signum: int = signal.SIGINT) -> str:
+    """"interrupted at step N; the newest checkpoint is step M -- continue with `shardwise train
+    RUN_DIR/config.toml --resume`": the last step in metrics.jsonl, the newest valid checkpoint."""
+    from shardwise.train.checkpoint import latest_valid_checkpoint
+
+    what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    steps = [r["step"] for r in _records(run_dir) if "loss" in r]
+    where = f"{what} at step {steps[-1]}" if steps else f"{what} before the first step"
+    newest = latest_valid_checkpoint(run_dir / "checkpoints", warn=lambda _m: None)
+    command = f"shardwise train {shlex.quote(str(run_dir / 'config.toml'))} --resume"
+    if newest is None:
+        return f"{where}; no checkpoint was written yet -- `{command}` starts it again from step 0"
+    return f"{where}; the newest checkpoint is step {int(newest.name.rpartition('_')[2])} -- continue with `{command}`"
+
+
+def _records(run_dir: Path) -> list[dict]:
+    from shardwise.train.metrics import read_metrics
+
+    try:
+        return read_metrics(run_dir)
+    except FileNotFoundError:
+        return []
 
 
 def resolve_run_dir(cfg: Config) -> Path:
@@ -69,16 +108,20 @@ def launch(cfg: Config, debug: bool = False) -> Path:
         )
     resolved, run_dir = prepare_run(cfg)
     nproc = resolved.parallel.nproc
-    if nproc == 1:
-        from shardwise.train.loop import train
+    try:
+        if nproc == 1:
+            from shardwise.train.loop import train
 
-        train(resolved, run_dir)
-        return run_dir
-    _spawn(resolved, run_dir, nproc, debug)
+            train(resolved, run_dir)
+        else:
+            _spawn(resolved, run_dir, nproc, debug)
+    except KeyboardInterrupt:
+        raise Interrupted(run_dir, signal.SIGINT) from None
     return run_dir
 
 
 def _spawn(cfg: Config, run_dir: Path, nproc: int, debug: bool) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -97,9 +140,13 @@ def _spawn(cfg: Config, run_dir: Path, nproc: int, debug: bool) -> None:
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     if not debug:  # the launcher's own log lines repeat the worker's error; WorkerFailed says it once
+        for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # its modules set levels of their own
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         elastic_launch(launch_cfg, worker_entry)(cfg.to_dict(), str(run_dir))
+    except SignalException as e:  # the launcher stops the workers (SIGTERM), then raises this
+        raise Interrupted(run_dir, e.sigval) from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message, trace = _failure_text(failure)
@@ -117,6 +164,9 @@ def worker_entry(cfg_tree: dict, run_dir: str) -> None:
         train(Config.from_dict(cfg_tree), Path(run_dir))
         shutdown_distributed()
 
+    # Ctrl-C reaches every process of the terminal's group (and the launcher passes it on): a worker just
+    # ends, without a KeyboardInterrupt traceback per rank; the parent says where the run stood
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     record(run)()
 
 
