@@ -70,8 +70,11 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Decoder-only language model: ``embed -> blocks -> norm_f -> lm_head``.
 
-    ``model(tokens)`` returns logits ``[B, T, vocab_size]``; ``model(tokens, targets)`` returns the
-    mean next-token cross-entropy as an fp32 scalar (targets equal to -100 are ignored).
+    ``model(tokens)`` returns logits ``[B, T, vocab_size]``; ``model(tokens, targets)`` returns
+    ``self.loss_fn(logits, targets)``: by default :func:`mean_cross_entropy`, the mean next-token
+    cross-entropy as an fp32 scalar (targets equal to -100 are ignored). ``loss_fn`` is a plain
+    attribute so that code outside the model can replace it (e.g. by one that takes logits split
+    over the vocabulary).
 
     The constructor allocates on the default device (``with torch.device(...)`` is honoured) and
     calls ``reset_parameters(seed=0)``; it never touches the global RNG. Built under
@@ -100,6 +103,7 @@ class Transformer(nn.Module):
             self.blocks = nn.ModuleList(Block(cfg, i, self.rope) for i in range(cfg.n_layers))
             self.norm_f = _norm(cfg)
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.loss_fn = mean_cross_entropy
         self.tie_weights()
         if device.type != "meta":
             self.to_empty(device=device)
@@ -118,11 +122,11 @@ class Transformer(nn.Module):
         return self.drop(x)
 
     def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Final norm and output projection; logits, or the fp32 mean cross-entropy with ``targets``."""
+        """Final norm and output projection; logits, or ``self.loss_fn(logits, targets)`` with ``targets``."""
         logits = self.lm_head(self.norm_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return self.loss_fn(logits, targets)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(tokens)
@@ -180,6 +184,12 @@ class Transformer(nn.Module):
                 continue
             value = initial_value(name, p.shape, seed, init_std=self.cfg.init_std, n_layers=self.cfg.n_layers)
             p.copy_(value)
+
+
+def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The fp32 mean cross-entropy of ``logits [B, T, V]`` against ``targets [B, T]`` over the targets
+    that are not -100: the default ``Transformer.loss_fn``."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
 def _canonical(name: str) -> str:
