@@ -123,5 +123,22 @@ def test_ctrl_c_says_where_the_run_stood_and_how_to_continue(tmp_path):
     proc = _interrupt_once_trained(resume, tmp_path, run_dir, past=before)
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert INTERRUPTED.fullmatch(proc.stderr.strip()), proc.stderr
+    assert "learning-rate schedule" not in proc.stdout  # the same train.steps: nothing to warn about
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[before]["step"] == newest + 1  # the resumed run went on from that checkpoint
+
+
+def test_resuming_with_other_steps_says_the_schedule_changes(tmp_path):
+    """`--resume` with another train.steps keeps training, and says in one line at start-up that the
+    learning rate of the steps after the checkpoint is not the original run's."""
+    cache = tmp_path / "cache"
+    first = shardwise("train", *TINY, "--train.steps", "4", "--train.warmup_steps", "2", "--ckpt.every", "2",
+                      "--parallel.nproc", "1", "--run.dir", "runs/r", cwd=tmp_path, cache=cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    more = shardwise("train", "runs/r/config.toml", "--resume", "--train.steps", "6", cwd=tmp_path, cache=cache)
+    assert more.returncode == 0, more.stderr[-3000:]
+    warned = [line for line in more.stdout.splitlines() if "learning-rate schedule" in line]
+    assert warned == ["resuming step 4 with train.steps=6 (was 4): the learning-rate schedule after step 4 "
+                      "differs from the original run's"], more.stdout[-3000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "runs/r/metrics.jsonl").read_text().splitlines()]
+    assert steps[-2:] == [5, 6]

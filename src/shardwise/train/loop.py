@@ -8,6 +8,7 @@ only on the seed, and the loss of a step is the mean over the whole global batch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -79,8 +80,12 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     if cfg.ckpt.resume:
         found = latest_valid_checkpoint(ckpt_root, warn=log.log_event if rank == 0 else (lambda _m: None))
         if found is not None:
-            start_step = train_state.restore(train_state.open_checkpoint(found), engine, scaler, sampler, rank)
+            reader = train_state.open_checkpoint(found)
+            start_step = train_state.restore(reader, engine, scaler, sampler, rank)
             log.log_event(f"resumed from {found} at step {start_step}")
+            changed = schedule_change(reader.meta.get("config", {}).get("train", {}), tcfg, start_step)
+            if changed:
+                log.log_event(changed)
         else:
             log.log_event(f"no valid checkpoint in {ckpt_root}; starting from step 0")
     log.start_step = start_step
@@ -161,6 +166,25 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     full = engine.final_state_dict() if collect_state else {}
     state = {k: v.detach().cpu().clone() for k, v in full.items()}
     return TrainResult(losses=losses, val_loss=val_loss, final_step=done, state_dict=state)
+
+
+SCHEDULE_FIELDS = ("steps", "lr", "min_lr", "warmup_steps")
+"""The train fields the learning-rate schedule (:func:`shardwise.train.optim.lr_at`) depends on."""
+
+
+def schedule_change(saved: dict, tcfg, step: int) -> str | None:
+    """One line when a resumed run's learning rate from ``step`` on differs from the checkpointed run's
+    (``saved``: that run's resolved ``train`` section), e.g. because train.steps changed and the cosine
+    decay now spans another length; None when the schedule is the same."""
+    was = {k: saved[k] for k in SCHEDULE_FIELDS if k in saved and saved[k] != getattr(tcfg, k)}
+    if not was:
+        return None
+    old = dataclasses.replace(tcfg, **was)
+    if all(lr_at(s, old) == lr_at(s, tcfg) for s in range(step, max(old.steps, tcfg.steps))):
+        return None
+    changes = ", ".join(f"train.{k}={getattr(tcfg, k)} (was {v})" for k, v in was.items())
+    return f"resuming step {step} with {changes}: the learning-rate schedule after step {step} differs " \
+           "from the original run's"
 
 
 @torch.no_grad()
