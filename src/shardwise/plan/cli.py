@@ -15,7 +15,7 @@ from pathlib import Path
 
 import tomllib
 
-from shardwise.config import Config, ConfigError, parse_value
+from shardwise.config import Config, ConfigError
 from shardwise.plan import report
 from shardwise.plan.flops import flops_per_token, gpus_needed, six_nd, training_days
 from shardwise.plan.hardware import Cluster, find_gpu, load_catalogue
@@ -130,7 +130,7 @@ def load_plan_inputs(config: str | None, overrides: dict[str, str]):
     extra |= {k: overrides.pop(k) for k in PLANNER_ONLY if k in overrides}
     cfg = Config.from_dict(tree)
     for dotted, text in overrides.items():
-        cfg.set(dotted, parse_value(text))
+        cfg.set_text(dotted, text)
     given = _given_keys(config, overrides)
     try:
         n_experts = int(extra.get("model.n_experts", 0))
