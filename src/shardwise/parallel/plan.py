@@ -221,9 +221,16 @@ def apply_tensor_parallel(
                     module, group, stats, sequence_parallel=sp, enter_region=True, rows=(start, stop),
                     local_rows=local, axis=axis)
             _set(model, path, head)
-            if hasattr(model, "loss_fn"):
-                model.loss_fn = VocabParallelLoss(vocab_start=start, vocab_size=module.out_features, group=group,
-                                                  stats=stats)
+            # the module that owns the head computes the loss from its logits: make it vocabulary-parallel
+            parent_path = path.rpartition(".")[0]
+            owner = model.get_submodule(parent_path) if parent_path else model
+            if not hasattr(owner, "loss_fn"):
+                raise ValueError(
+                    f"tensor-parallel plan: {path!r} becomes vocabulary-parallel, but its parent "
+                    f"{type(owner).__name__} has no loss_fn to replace; its loss would read split logits"
+                )
+            owner.loss_fn = VocabParallelLoss(vocab_start=start, vocab_size=module.out_features, group=group,
+                                              stats=stats)
         else:
             raise ValueError(f"tensor-parallel plan: unknown style {style!r} for {path!r}; use one of {STYLES}")
     seen: set[int] = set()
