@@ -85,7 +85,8 @@ def torch_tp(model, sp: bool):
     for block in model.blocks:
         layout = {f"attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
         layout.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                       "attn.o_proj": RowwiseParallel(output_layouts=out), "mlp.down_proj": RowwiseParallel(output_layouts=out)})
+                       "attn.o_proj": RowwiseParallel(output_layouts=out),
+                       "mlp.down_proj": RowwiseParallel(output_layouts=out)})
         if sp:
             into = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
             layout.update({"norm1": SequenceParallel(), "norm2": SequenceParallel(), "attn": into, "mlp": into})
@@ -266,8 +267,8 @@ def _print_table(r: dict, out: Path) -> None:
     print(f"{'':26}{'step (median s)':>16}{'saved (MiB)':>14}{'peak RSS (MiB)':>16}")
     for label, key in (("shardwise TP", "ours"), ("torch DTensor TP", "torch_dtensor")):
         v = r[key]
-        rss = v.get("peak_rss_mb")
-        print(f"{label:26}{v['step_s_median']:>16.4f}{v['saved_bytes'] / 2**20:>14.1f}{f'{rss:.0f}' if rss else '-':>16}")
+        rss = f"{v['peak_rss_mb']:.0f}" if v.get("peak_rss_mb") else "-"
+        print(f"{label:26}{v['step_s_median']:>16.4f}{v['saved_bytes'] / 2**20:>14.1f}{rss:>16}")
     line = (f"ratio ours/torch: step time {r['ratio_step_time']:.3f} (median of per-step ratios "
             f"{r['ratio_step_time_paired_median']:.3f}), saved activations {r['ratio_saved_bytes']:.3f}")
     if "ratio_peak_rss" in r:
