@@ -31,9 +31,11 @@ from shardwise.config import Config
 from shardwise.dist.comm.compress import gradient_all_reduce
 from shardwise.dist.mesh import Mesh
 from shardwise.model import Transformer
+from shardwise.model.transformer import initial_value
 from shardwise.parallel.data import DataParallel
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces, zero_param_groups
+from shardwise.parallel.zero.meta import materialize_buffers
 from shardwise.train import memory as train_memory
 from shardwise.train.checkpoint import CheckpointError
 from shardwise.train.optim import build_optimizer
@@ -73,13 +75,17 @@ class DataParallelEngine:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.group = mesh.dp_group
         torch.manual_seed(cfg.train.seed)
-        self.module = Transformer(cfg.model)
-        self.module.reset_parameters(cfg.train.seed)
+        self.module = self._build_module()
         if cfg.train.recompute == "full":
             apply_activation_checkpointing(self.module.blocks, cfg.train.recompute_every)
-        self.module.to(device)
         self.wrapper = self._wrap(run_dir)
         self.optimizer = self._optimizer()
+
+    def _build_module(self) -> Transformer:
+        """The whole model on this rank's device, initialised from ``train.seed``."""
+        module = Transformer(self.cfg.model)
+        module.reset_parameters(self.cfg.train.seed)
+        return module.to(self.device)
 
     def _wrap(self, run_dir: Path):
         return DataParallel(self.module, group=self.group, bucket_mb=self.cfg.parallel.bucket_mb,
@@ -146,13 +152,33 @@ class DataParallelEngine:
 class ZeroEngine(DataParallelEngine):
     """ZeRO-1/2/3: the optimizer steps this rank's slice; checkpoints gather the unsharded state."""
 
+    def _build_module(self) -> Transformer:
+        """ZeRO-3 builds the model on the meta device (buffers real): the wrapper materialises only this
+        rank's slices, from the same ``(seed, name, shape)`` initialisation (:mod:`shardwise.parallel.zero.meta`)."""
+        if self.cfg.parallel.zero != 3:
+            return super()._build_module()
+        with torch.device("meta"):
+            module = Transformer(self.cfg.model)
+        materialize_buffers(module, self.device)
+        module.reset_parameters(self.cfg.train.seed)  # fills the buffers; meta parameters are skipped
+        return module
+
+    def _param_init(self):
+        """The full initial value of one parameter of a meta-built model (``None``: the model is real)."""
+        if not any(p.is_meta for p in self.module.parameters()):
+            return None
+        names = {id(p): n for n, p in self.module.named_parameters_for_init()}
+        m, seed = self.cfg.model, self.cfg.train.seed
+        return lambda _name, p: initial_value(names[id(p)], p.shape, seed, init_std=m.init_std, n_layers=m.n_layers)
+
     def _wrap(self, run_dir: Path):
         p = self.cfg.parallel
         return ZeroDataParallel(self.module, group=self.group, stage=p.zero, bucket_mb=p.bucket_mb,
                                 unit_blocks=p.zero_unit, offload=p.offload,
                                 offload_dir=p.offload_dir or str(run_dir / "offload"),
                                 quant_weights=p.zero_quant_weights, quant_grads=p.zero_quant_grads,
-                                hpz_size=p.zero_hpz)
+                                hpz_size=p.zero_hpz,
+                                param_init=self._param_init(), device=self.device)
 
     def _optimizer(self):
         return ZeroOptimizer(self.wrapper, build_optimizer(self.module, self.cfg.train))

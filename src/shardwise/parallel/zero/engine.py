@@ -57,6 +57,7 @@ from torch import nn
 from shardwise.parallel.data import _assign_buckets
 from shardwise.parallel.zero.flat import FlatUnit
 from shardwise.parallel.zero.hpz import NodePartition, node_groups
+from shardwise.parallel.zero.meta import check_ranks_agree, structure_hash
 from shardwise.parallel.zero.offload import MasterStore
 from shardwise.parallel.zero.reduce import GradReduction
 from shardwise.parallel.zero.stage3 import Stage3Hooks
@@ -84,6 +85,8 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
 
     Args:
         module: the model, already on its device; its parameters become views of flat buffers.
+            Its parameters may be on the meta device (buffers must be real: :func:`.meta.materialize_buffers`);
+            ``param_init`` then computes them, each rank only what it keeps (:mod:`.meta`).
         group: data-parallel process group (``None``: default group).
         stage: 1, 2 or 3.
         bucket_mb: unit size for stages 1 and 2 (MiB).
@@ -108,6 +111,11 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             buffer (plus gloo's own copy of it) in flight through the next unit's backward raised
             ZeRO-3's peak memory above ``fully_shard``'s (which waits too on CPU), while waiting
             cost no time there (bench/bench_zero.py).
+        param_init: for parameters on the meta device, ``param_init(name, param)`` returns the full
+            initial value of one parameter (``name`` as in ``module.named_parameters()``), the same on
+            every rank; ZeRO-3 keeps only this rank's slices, so the full model is never in memory, and
+            nothing is broadcast (:mod:`.meta`).
+        device: where meta parameters are materialised (default: CPU).
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, stage: int = 1, *,
@@ -115,7 +123,9 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
                  param_dtype: torch.dtype | None = None, offload: str = "none", offload_dir: str | None = None,
                  quant_weights: bool = False, quant_grads: bool = False, broadcast_from: int = 0,
                  hpz_size: int = 1, hpz_group: dist.ProcessGroup | None = None, node_size: int | None = None,
-                 overlap_reduce: bool | None = None):
+                 overlap_reduce: bool | None = None,
+                 param_init: Callable[[str, nn.Parameter], torch.Tensor] | None = None,
+                 device: torch.device | str | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage={stage}: ZeroDataParallel implements stages 1, 2 and 3")
@@ -145,15 +155,25 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
                 seen.add(id(p))
                 named.append((name, p))
         groups = self._unit_groups(named, stage, bucket_mb, unit_modules, unit_blocks)
+        self._check_meta(module, named, param_init)
+        on_meta = any(p.is_meta for _, p in named)
+        if device is None:
+            device = next((p.device for _, p in named if not p.is_meta), torch.device("cpu"))
+        device = torch.device(device)
+        if self.world > 1 and on_meta:  # before any collective that a mismatch would hang
+            check_ranks_agree([], structure_hash(named), group, device)
         self.units = []
         for i, g in enumerate(groups):  # one unit at a time, so that at most one full copy is extra
             if self.world > 1:  # replicas start from rank ``broadcast_from``'s weights (in place)
                 for _, p in g:
-                    dist.broadcast(p.data, src=src, group=group)
+                    if not p.is_meta:  # meta parameters: every rank computes the same values
+                        dist.broadcast(p.data, src=src, group=group)
             # stage 3 keeps its own slice apart from the full buffer, which stays unallocated
             self.units.append(FlatUnit(i, [n for n, _ in g], [p for _, p in g], self.rank, self.world, param_dtype,
-                                       sharded=stage == 3))
+                                       sharded=stage == 3, init=param_init, device=device))
         self._unit_of = {id(p): u for u in self.units for p in u.params}
+        if self.world > 1 and on_meta:
+            check_ranks_agree(self.units, structure_hash(named), group, device)
         if self.world > 1:
             for b in module.buffers():
                 dist.broadcast(b.view(torch.uint8) if b.dtype == torch.bool else b, src=src, group=group)
@@ -185,6 +205,17 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         # reduce-scatter order: buckets as built (reverse registration), ZeRO-3 units last block first
         self._order = list(reversed(self.units)) if stage == 3 else list(self.units)
         self._reset()
+
+    @staticmethod
+    def _check_meta(module: nn.Module, named, param_init) -> None:
+        """Meta parameters need ``param_init``; meta buffers and frozen meta parameters are not materialised here."""
+        if param_init is None and any(p.is_meta for _, p in named):
+            raise ValueError("ZeroDataParallel: the module's parameters are on the meta device; pass param_init")
+        sharded = {id(p) for _, p in named}
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            if t.is_meta and id(t) not in sharded:
+                raise ValueError(f"ZeroDataParallel: {name} is on the meta device but is not a trained parameter; "
+                                 "materialise buffers first (shardwise.parallel.zero.meta.materialize_buffers)")
 
     def _unit_groups(self, named, stage, bucket_mb, unit_modules, unit_blocks):
         if stage < 3:

@@ -10,6 +10,14 @@ Each model parameter becomes a view into the unit's full buffer (``param.data = 
 so gathering the full buffer refills every parameter at once, and freeing it (resizing its
 storage to zero bytes, as FSDP does) frees them all while the parameters keep their shapes.
 
+A parameter may arrive on the meta device (a model built under ``torch.device("meta")``): its
+values then come from ``init(name, param)``, the full initial value of that one parameter, of
+which the unit keeps what it needs -- the rank's pieces for ZeRO-3 -- before asking for the next
+(as FSDP2's meta-device initialisation, Zhao et al. 2023 §3.1, but one parameter at a time, so a
+model larger than one rank's memory starts with one parameter's full value as the most extra).
+The meta parameter object is turned into a real one in place (``torch.utils.swap_tensors``), so
+tied weights and references held elsewhere stay the same parameter.
+
 The *pieces* of a unit on a rank are the intersections of its parameters with the rank's
 slice. They are what the optimizer sees: one leaf tensor per piece, so a parameter's weight
 decay group and AdamW's element-wise arithmetic are exactly those of the unsharded run.
@@ -17,6 +25,7 @@ decay group and AdamW's element-wise arithmetic are exactly those of the unshard
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,13 +61,21 @@ class FlatUnit:
     """
 
     def __init__(self, index: int, names: list[str], params: list[nn.Parameter], rank: int, world: int,
-                 dtype: torch.dtype | None = None, sharded: bool = False):
+                 dtype: torch.dtype | None = None, sharded: bool = False,
+                 init: Callable[[str, nn.Parameter], torch.Tensor] | None = None, device: torch.device | None = None):
         self.index = index
         self.names = names
         self.params = params
         self.rank, self.world = rank, world
         self.dtype = dtype or params[0].dtype
-        device = params[0].device
+        device = torch.device(device) if device is not None else params[0].device
+        if device.type == "meta":
+            raise ValueError("FlatUnit: parameters on the meta device need a real ``device`` to materialise on")
+        if init is None and any(p.is_meta for p in params):
+            raise ValueError(f"FlatUnit: {names[0]} is on the meta device; pass ``init`` to compute its values")
+        self.init = init
+        self.checksums: dict[int, int] = {}
+        """Per parameter index: :func:`checksum` of the full initial value computed here (meta parameters)."""
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)
@@ -74,16 +91,22 @@ class FlatUnit:
             if sharded:  # ZeRO-3: keep only the own slice; the full buffer is never filled here
                 self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
                 for pc in self.pieces:
-                    src = params[pc.param_index].detach().reshape(-1)[pc.start:pc.stop]
+                    src = self._values(pc.param_index)[pc.start:pc.stop]
                     self.shard[pc.shard_offset:pc.shard_offset + pc.numel].copy_(src)
                 self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
             else:
                 self.full = torch.zeros(self.padded_numel, dtype=self.dtype, device=device)
-                for p, off, n in zip(params, self.offsets, self.numels, strict=True):
-                    self.full[off:off + n].copy_(p.detach().reshape(-1))
+                for i, (off, n) in enumerate(zip(self.offsets, self.numels, strict=True)):
+                    self.full[off:off + n].copy_(self._values(i))
                 self.shard = self.own_slice(self.full)
             for p, off, n in zip(params, self.offsets, self.numels, strict=True):
-                p.data = self.full[off:off + n].view(p.shape)
+                shape = p.shape
+                if p.is_meta:  # the same Parameter object, now real (tied weights stay tied)
+                    real = nn.Parameter(torch.empty(0, dtype=self.dtype, device=device), requires_grad=p.requires_grad)
+                    torch.utils.swap_tensors(p, real)
+                # as ``.data``: the parameter keeps its own version counter, so refilling ``full`` in place
+                # (gathers) does not look to autograd like a change to a tensor it saved
+                p.data = self.full[off:off + n].view(shape)
         self.gathered = True
         self.gather_work = None
         self.after_gather = None
@@ -94,6 +117,17 @@ class FlatUnit:
         """ZeRO++ hpZ: this rank's node slice of the gathered buffer, from forward to backward."""
         if sharded:
             self.free_full()
+
+    def _values(self, i: int) -> torch.Tensor:
+        """Parameter ``i`` flattened: its data, or (on the meta device) its full initial value from ``init``."""
+        p = self.params[i]
+        if not p.is_meta:
+            return p.detach().reshape(-1)
+        value = self.init(self.names[i], p).detach()
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(f"init({self.names[i]!r}) returned shape {tuple(value.shape)}, expected {tuple(p.shape)}")
+        self.checksums[i] = checksum(value)
+        return value.reshape(-1)
 
     # ---- the rank's slice -----------------------------------------------------------------
 
@@ -124,3 +158,14 @@ class FlatUnit:
     def param_bytes_full(self) -> int:
         return self.padded_numel * self.full.element_size()
 
+
+
+def checksum(t: torch.Tensor) -> int:
+    """An order-independent, bit-exact fingerprint of ``t``'s values: the sum of its elements' bit
+    patterns as integers (mod 2^62), summed a chunk at a time so that only a chunk is widened."""
+    flat = t.detach().reshape(-1).contiguous()
+    bits = flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16}.get(flat.element_size(), torch.uint8))
+    total = 0
+    for chunk in bits.split(1 << 16):
+        total += int(chunk.sum(dtype=torch.int64))
+    return total % (1 << 62)
