@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.parallel.zero import exchange
 from shardwise.parallel.zero.flat import FlatUnit
 from shardwise.parallel.zero.quant import reduce_scatter_int8
 
@@ -92,9 +93,16 @@ class GradReduction:
             work, nbytes = reduce_scatter_int8(out, flat, self.group)
             self.comm_bytes_last_step += nbytes
         else:
-            work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = self._reduce_scatter_work(out, flat, unit)
             self.comm_bytes_last_step += flat.numel() * flat.element_size()
         self._inflight.append((unit, flat, out, work))
+
+    def _reduce_scatter_work(self, out: torch.Tensor, flat: torch.Tensor, unit: FlatUnit):
+        """Launch the reduce-scatter of ``flat`` into ``out``: a direct exchange on gloo (:mod:`.exchange`),
+        the backend's collective otherwise."""
+        if self.direct_exchange:
+            return exchange.reduce_scatter(out, flat, self.group, tag=exchange.TAG + 2 * unit.index)
+        return dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     @torch.no_grad()
     def _finish_backward(self) -> None:

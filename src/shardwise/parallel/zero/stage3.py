@@ -22,6 +22,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from shardwise.parallel.zero import exchange
 from shardwise.parallel.zero.flat import FlatUnit
 from shardwise.parallel.zero.quant import all_gather_int8
 
@@ -50,7 +51,7 @@ class Stage3Hooks:
                 if self.quant_weights:
                     unit.gather_work, nbytes = all_gather_int8(unit.full, unit.shard, self.group)
                 else:
-                    unit.gather_work = dist.all_gather_single(unit.full, unit.shard, group=self.group, async_op=True)
+                    unit.gather_work = self._all_gather_work(unit, unit.shard)
                     nbytes = unit.param_bytes_full()
                 self.comm_bytes_last_step += nbytes
                 self.hpz.count(unit, phase, within_node=False, nbytes=nbytes)
@@ -58,6 +59,15 @@ class Stage3Hooks:
                 unit.after_gather = self.hpz.keep if keep else None
         if wait and unit.gather_work is not None:
             self._finish_gather(unit)
+
+    def _all_gather_work(self, unit: FlatUnit, shard: torch.Tensor | None):
+        """Launch the all-gather of ``shard`` (``None``: the own slice of ``unit.full``, in place) into
+        ``unit.full``: a direct exchange on gloo (:mod:`.exchange`), the backend's collective otherwise."""
+        if self.direct_exchange:
+            return exchange.all_gather(unit.full, self.group, shard, tag=exchange.TAG + 2 * unit.index + 1)
+        if shard is None:
+            shard = unit.shard.clone()
+        return dist.all_gather_single(unit.full, shard, group=self.group, async_op=True)
 
     def _finish_gather(self, unit: FlatUnit) -> None:
         unit.gather_work.wait()
