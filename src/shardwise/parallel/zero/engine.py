@@ -7,13 +7,15 @@ Models" (SC'20):
   master weights and Adam moments of its own slice only. Gradients accumulate into flat
   per-bucket buffers; as each bucket completes in backward it is reduce-scattered in place
   (each rank receives the sum of its slice), the rank updates its slice, and the updated
-  slices are all-gathered back into the full parameters. The full gradients are released at
-  ``zero_grad`` and re-allocated by the next forward.
+  slices are all-gathered back into the full parameters. The flat gradient buffers stay
+  allocated (``zero_grad`` zeroes them): they are part of every step's peak anyway, and
+  re-allocating them each step cost a page fault per 4 KiB (bench/bench_zero.py).
 * **stage 2** (P_os+g, §5.2): gradients are sharded too. Parameters are grouped into buckets
-  (units) in reverse registration order; as soon as every gradient of a unit has been
-  accumulated (a post-accumulate-grad hook, as in :mod:`shardwise.parallel.data`), the unit's
-  gradients are reduce-scattered (asynchronously on GPUs, while backward goes on; see
-  ``overlap_reduce``) and the full-size gradients are freed (:mod:`.reduce`).
+  (units) in reverse registration order; each gradient is accumulated straight into its unit's
+  flat buffer for this backward (a tensor hook makes ``.grad`` a view of it first), and as soon
+  as every gradient of a unit has been accumulated (a post-accumulate-grad hook, as in
+  :mod:`shardwise.parallel.data`), the buffer is reduce-scattered (asynchronously on GPUs, while
+  backward goes on; see ``overlap_reduce``) and handed on to the next unit (:mod:`.reduce`).
 * **stage 3** (P_os+g+p, §5.3, and the FSDP design of Zhao et al. 2023, "PyTorch FSDP", §3):
   parameters live only as slices. Units are transformer blocks (``unit_blocks`` per unit) plus
   a *root* unit holding everything else (embeddings, final norm, head). A unit's parameters
@@ -64,17 +66,19 @@ from shardwise.parallel.zero.flat import FlatUnit
 from shardwise.parallel.zero.hpz import NodePartition, node_groups
 from shardwise.parallel.zero.meta import check_ranks_agree, structure_hash
 from shardwise.parallel.zero.offload import MasterStore
-from shardwise.parallel.zero.reduce import GradReduction
+from shardwise.parallel.zero.reduce import BufferPool, GradReduction
 from shardwise.parallel.zero.stage3 import Stage3Hooks
 
 
-def _weak(engine: ZeroDataParallel, method: str) -> Callable:
+def _weak(engine: ZeroDataParallel, method: str, *bound) -> Callable:
+    """A hook calling ``engine.method(*bound, *args)`` that does not keep the engine alive (a tensor
+    hook, given the gradient, gets ``bound`` only: its return value would replace the gradient)."""
     ref = weakref.ref(engine)
 
     def call(*args):
         owner = ref()
         if owner is not None:
-            return getattr(owner, method)(*args)
+            return getattr(owner, method)(*bound) if bound else getattr(owner, method)(*args)
         return None
 
     return call
@@ -189,10 +193,14 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
                 for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
                     p.grad = u.grad_full[off:off + n].view(p.shape)
         self.masters = MasterStore(self.units, offload, offload_dir, self.rank)
-        self._hooks = [p.register_post_accumulate_grad_hook(_weak(self, "_on_grad_ready"))
-                       for u in self.units for p in u.params]
-        if stage == 1:  # full gradients exist from the forward that makes them until zero_grad (§5.1)
-            self._hooks.append(module.register_forward_pre_hook(_weak(self, "_stage1_pre_forward")))
+        self._grad_pool = BufferPool(keep={1: 1, 2: 2, 3: 0}[stage])
+        """Flat gradients and exchange scratch kept for reuse (stage 1: a scratch; 2: two units; 3: none, so
+        that memory follows the units as in FSDP)."""
+        self._params = [p for u in self.units for p in u.params]
+        self._position = {id(p): i for u in self.units for i, p in enumerate(u.params)}
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak(self, "_on_grad_ready")) for p in self._params]
+        if stage > 1:  # gradients are accumulated straight into each unit's flat buffer
+            self._hooks += [p.register_hook(_weak(self, "_into_flat_grad", i)) for i, p in enumerate(self._params)]
         if stage == 3:
             self._hooks.append(module.register_forward_pre_hook(_weak(self, "_root_pre_forward")))
             self._hooks.append(module.register_forward_hook(_weak(self, "_root_post_forward")))
@@ -265,20 +273,12 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
 
     # ---- optimizer side ----------------------------------------------------------------------
 
-    def _stage1_pre_forward(self, _module, _args) -> None:
-        """Stage 1: give the flat gradient buffers (and so every ``.grad`` view) their memory back."""
-        if torch.is_grad_enabled():
-            for u in self.units:
-                if u.grad_full.untyped_storage().nbytes() == 0:
-                    u.grad_full.untyped_storage().resize_(u.padded_numel * u.grad_full.element_size())
-                    u.grad_full.zero_()
-
     def zero_grad(self) -> None:
-        """Forget the step's gradients; stage 1 releases its full gradient buffers until the next forward."""
+        """Forget the step's gradients (stage 1: zero its flat gradient buffers, which stay allocated)."""
         for u in self.units:
             u.grad_shard = None
             if u.grad_full is not None:
-                u.grad_full.untyped_storage().resize_(0)
+                u.grad_full.zero_()
         self._had_grad = bytearray(len(self._had_grad))
         self.masters.zero_grad()
 

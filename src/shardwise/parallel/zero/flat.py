@@ -111,6 +111,9 @@ class FlatUnit:
         self.gather_work = None
         self.after_gather = None
         """ZeRO-3: what to do once the pending gather completes (e.g. keep a secondary partition)."""
+        self.grad_flat: torch.Tensor | None = None
+        """ZeRO-2/3: this backward's gradients, laid out like ``full`` (:meth:`grad_view`), until reduced."""
+        self.grad_filled: list[bool] = []
         self.secondary: torch.Tensor | None = None
         self.had_grad = [True] * len(params)
         """Per parameter: did any rank produce a gradient in the last step (set by the engine)."""
@@ -135,13 +138,35 @@ class FlatUnit:
         """This rank's ``shard_numel`` elements of a padded flat buffer."""
         return flat[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
 
-    def flat_grad(self, divide_by: int) -> torch.Tensor:
-        """The parameters' gradients laid out like ``full`` (zeros for padding and missing grads), divided."""
-        out = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.full.device)
-        for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
-            if p.grad is not None:
-                torch.div(p.grad.reshape(-1), divide_by, out=out[off:off + n])
-        return out
+    # ---- the flat gradient of one backward (ZeRO-2/3) ------------------------------------------
+
+    def grad_view(self, i: int, alloc: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """Parameter ``i``'s place in this backward's flat gradient buffer, which ``alloc(numel)`` provides
+        (uninitialised) on first use; the caller fills the place."""
+        if self.grad_flat is None:
+            self.grad_flat = alloc(self.padded_numel)
+            self.grad_filled = [False] * len(self.params)
+        self.grad_filled[i] = True
+        return self.grad_flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.params[i].shape)
+
+    def take_flat_grad(self, divide_by: int, alloc: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """The parameters' gradients laid out like ``full``, divided by ``divide_by`` (zeros for padding
+        and parameters without a gradient); the parameters' ``.grad`` are released."""
+        if self.grad_flat is None:
+            self.grad_flat = alloc(self.padded_numel)
+            self.grad_filled = [False] * len(self.params)
+        flat = self.grad_flat
+        for i, (p, off, n) in enumerate(zip(self.params, self.offsets, self.numels, strict=True)):
+            if not self.grad_filled[i]:  # not accumulated into the buffer (e.g. only in earlier micro-batches)
+                if p.grad is not None:
+                    flat[off:off + n].copy_(p.grad.reshape(-1))
+                else:
+                    flat[off:off + n].zero_()
+            p.grad = None
+        flat[self.numel:].zero_()
+        flat.div_(divide_by)
+        self.grad_flat, self.grad_filled = None, []
+        return flat
 
     # ---- freeing and refilling the full buffer (ZeRO-3) ----------------------------------------
 
