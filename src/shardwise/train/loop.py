@@ -124,6 +124,11 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
             optimizer.step()
         if scaler:
             scaler.update(found_inf)
+        done = step + 1
+        first = done == start_step + 1  # the optimizer state exists from here: print the start-up table
+        accounted = None
+        if first or done == tcfg.steps or done % 10 == 0:  # measured while gradients and moments both exist
+            accounted = engine.memory_bytes()
         optimizer.zero_grad(set_to_none=True)
 
         step_loss = replica_loss.clone()
@@ -139,15 +144,12 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         }
         if scaler:
             metrics.update(loss_scale=scaler.scale, skipped_steps=float(scaler.skipped_steps))
-        done = step + 1
         if done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
             val_loss = evaluate(engine, val_windows, tcfg, dp_rank, dp_size, dp_group, device)
             if val_loss is not None:
                 metrics["val_loss"] = val_loss
-        first = done == start_step + 1  # the optimizer state exists from here: print the start-up table
-        if first or done == tcfg.steps or done % 10 == 0:
+        if accounted is not None:
             metrics.update({f"mem_{k}": float(v) for k, v in process_memory_bytes().items()})
-            accounted = engine.memory_bytes()
             if hasattr(engine, "write_timeline"):
                 engine.write_timeline(run_dir, done)
             metrics.update({f"mem_{k}_bytes": float(v) for k, v in accounted.items()})

@@ -1,20 +1,29 @@
-"""The memory accountant: bytes of model state a rank holds, by category.
+"""The memory accountant: bytes of model state a rank holds, by category, counted from its storages.
 
 Categories follow Rajbhandari et al. 2020, "ZeRO", §3.1 (model states): ``params`` (the
 parameters the model computes with), ``grads``, ``master`` (fp32 master weights kept *apart*
 from the parameters; 0 when the parameters themselves are fp32, as in this trainer, where
 ``torch.autocast`` makes the low-precision compute copies on the fly), and ``optimizer`` (Adam's
-two moments; AdamW's scalar ``step`` counters are not counted). The paper's K = 12 bytes per
+two moments; AdamW's 0-dimensional ``step`` counters are left out). The paper's K = 12 bytes per
 parameter is ``master`` + ``optimizer`` in the mixed-precision layout.
 
-What is counted is the *capacity* each technique holds across a step, read from its buffers,
-not instantaneous allocations: ZeRO's flat buffers are padded to a multiple of the data-parallel
-size N, so Ψ below means the padded element count (Σ over units of ⌈numel/N⌉·N); transient
-buffers (a ZeRO-3 unit's gathered parameters, reduce-scatter staging, autocast copies,
-activations) are left out. ``allocator_peak`` is added on CUDA.
+What is counted is *measured*: the bytes of the distinct storages (``untyped_storage().nbytes()``)
+behind the tensors that hold each category -- the parameters and their ``.grad``, a data-parallel
+wrapper's bucket buffers, ZeRO's flat buffers, shards, master pieces and offload buffers, the
+optimizer's state -- with every storage counted once, in the first category that reaches it (a
+gradient that is a view of a bucket counts the bucket; a master that is a view of the shard counts
+nowhere twice). So padding, flags travelling in a bucket, or a copy nobody meant to keep show up.
+States streamed to disk (``offload = "disk"``) count the bytes of their files. ZeRO++ hpZ's
+secondary partitions live from a unit's forward to its backward: they count at the peak the
+partition measured while they were allocated. Transient buffers (a ZeRO-3 unit's gathered
+parameters, autocast copies, activations) are left out; the flat buffers ZeRO keeps between steps
+for reuse are reported apart as ``buffers`` (not part of ``total``). The trainer samples
+after the optimizer step, before gradients are released. ``allocator_peak`` is added on CUDA.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -22,31 +31,65 @@ import torch.distributed as dist
 CATEGORIES = ("params", "grads", "master", "optimizer")
 
 
-def _optimizer_bytes(optimizer) -> int:
-    if hasattr(optimizer, "state_bytes"):
-        return int(optimizer.state_bytes())
-    total = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for v in optimizer.state.get(p, {}).values():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    total += v.numel() * v.element_size()
-    return total
+def storage_bytes(categories: dict[str, Iterable[torch.Tensor | None]]) -> dict[str, int]:
+    """Bytes of the distinct storages behind each category's tensors; a storage reached again (in
+    the same or a later category) is not counted again."""
+    seen: set[tuple[str, int]] = set()
+    out = {}
+    for name, tensors in categories.items():
+        total = 0
+        for t in tensors:
+            if t is None or t.is_meta:
+                continue
+            st = t.untyped_storage()
+            key = (str(t.device), st.data_ptr())
+            if st.nbytes() == 0 or key in seen:
+                continue
+            seen.add(key)
+            total += st.nbytes()
+        out[name] = total
+    return out
+
+
+def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    inner = getattr(optimizer, "inner", optimizer)
+    return [v for state in inner.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
+def _zero_categories(engine) -> dict[str, list]:
+    units, masters = engine.units, engine.masters
+    return {
+        "params": [t for u in units for t in (u.full, u.shard)] + list(engine.module.parameters()),
+        "grads": [t for u in units for t in (u.grad_full, u.grad_shard)]
+                 + [p.grad for p in engine.module.parameters()] + [m.grad for m in masters.params()]
+                 + list(masters.grad_buffers()),
+        "master": masters.params(),
+    }
 
 
 def model_state_bytes(engine, optimizer) -> dict[str, int]:
-    """Bytes of model state on this rank for a ``DataParallel`` or ``ZeroDataParallel`` wrapper."""
+    """Bytes of model state on this rank for a ``DataParallel``, ``ZeroDataParallel`` or pipeline
+    wrapper (anything with ``.module``), measured from storages (see the module docstring)."""
     from shardwise.parallel.zero import ZeroDataParallel
 
-    out = dict.fromkeys(CATEGORIES, 0)
     if isinstance(engine, ZeroDataParallel):
-        out.update(engine.model_state_bytes())  # padded flat buffers, plus hpZ's secondary copies
+        cats = _zero_categories(engine)
     else:
-        params = [p for p in engine.module.parameters() if p.requires_grad]
-        params = list({id(p): p for p in params}.values())
-        out["params"] = sum(p.numel() * p.element_size() for p in params)
-        out["grads"] = out["params"]  # one gradient per parameter (DataParallel's bucket views)
-    out["optimizer"] = _optimizer_bytes(optimizer)
+        params = list(engine.module.parameters())
+        buckets = [b.buffer for b in getattr(engine, "_buckets", ())]  # DataParallel's gradient buckets
+        buckets += [b for _, b in getattr(getattr(engine, "sync", None), "buckets", ())]  # a pipeline's
+        cats = {"params": params, "grads": [p.grad for p in params] + buckets, "master": []}
+    out = storage_bytes({**cats, "optimizer": _optimizer_tensors(optimizer)})
+    if isinstance(engine, ZeroDataParallel):
+        out["params"] += engine.hpz.peak_bytes  # measured while the secondary partitions existed
+        # kept between steps for reuse (flat gradients, exchange scratch): real, but not model state
+        out["buffers"] = storage_bytes({"b": list(getattr(getattr(engine, "_grad_pool", None), "free", ()))})["b"]
+        disk = engine.masters.disk
+        if disk is not None:  # states streamed to files: their sizes on disk
+            files = disk.file_bytes()
+            out["master"] += files.pop("master", 0)
+            out["optimizer"] += sum(files.values())
     out["total"] = sum(out[k] for k in CATEGORIES)
     if torch.cuda.is_available():
         out["allocator_peak"] = int(torch.cuda.max_memory_allocated())

@@ -55,6 +55,14 @@ class DiskStream:
     def hollow(self, numel: int) -> torch.Tensor:
         return self._zero.expand(numel)
 
+    def file_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's state files on disk, by kind ("master", then the optimizer's keys)."""
+        out: dict[str, int] = {}
+        for path in self.dir.glob("*_u*.bin"):
+            kind = path.name.rsplit("_u", 1)[0]
+            out[kind] = out.get(kind, 0) + path.stat().st_size
+        return out
+
     def _path(self, kind: str, unit_index: int) -> Path:
         return self.dir / f"{kind}_u{unit_index}.bin"
 
@@ -70,14 +78,6 @@ class DiskStream:
         with open(path, "rb") as f:
             f.readinto(out.numpy())
         return out
-
-    def file_bytes(self, kinds: str = "state") -> int:
-        """Bytes on disk of the master files (``"master"``) or of the optimizer-state files (``"state"``)."""
-        total = 0
-        for i, u in self.units.items():
-            n = len(self.state_kinds[i]) if kinds == "state" else 1
-            total += n * u.shard_numel * 4
-        return total
 
     @contextlib.contextmanager
     def resident(self, unit_index: int, state: dict | None = None, write: bool = False) -> Iterator[None]:

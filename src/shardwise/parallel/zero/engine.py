@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.dist.comm.counting import CommStats, nbytes
 from shardwise.parallel.data import _assign_buckets
 from shardwise.parallel.zero import exchange
 from shardwise.parallel.zero.flat import FlatUnit
@@ -132,7 +133,7 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
                  param_dtype: torch.dtype | None = None, offload: str = "none", offload_dir: str | None = None,
                  quant_weights: bool = False, quant_grads: bool = False, broadcast_from: int = 0,
                  hpz_size: int = 1, hpz_group: dist.ProcessGroup | None = None, node_size: int | None = None,
-                 overlap_reduce: bool | None = None,
+                 overlap_reduce: bool | None = None, comm_stats: CommStats | None = None,
                  param_init: Callable[[str, nn.Parameter], torch.Tensor] | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
@@ -146,9 +147,8 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         self.quant_weights, self.quant_grads = quant_weights, quant_grads
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.comm_bytes_last_step = 0
-        self.all_reduce_bytes_last_step = 0
-        """Bytes handed to collectives in the last step (reduce-scatter inputs plus gathers)."""
+        self.comm_stats = comm_stats if comm_stats is not None else CommStats()
+        """Where every collective of the engine is recorded (:mod:`shardwise.dist.comm.counting`)."""
         if hpz_size > 1 and hpz_group is None:
             hpz_group = node_groups(group, hpz_size)
         report = node_size or hpz_size
@@ -310,7 +310,7 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         works = []
         for u in self.units:  # in place: the rank's slice of ``full`` holds the updated values
             works.append(self._all_gather_work(u, None))
-            self.comm_bytes_last_step += u.param_bytes_full()
+            self.comm_stats.hand(nbytes(u.full), backend=not self.direct_exchange)
         for w in works:
             w.wait()
 
@@ -326,18 +326,6 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         if strict and (missing or unexpected):
             raise RuntimeError(f"state dict does not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
         return missing, unexpected
-
-    def pop_comm_bytes(self) -> int:
-        n, self.comm_bytes_last_step = self.comm_bytes_last_step, 0
-        return n
-
-    def pop_comm_sent_bytes(self, payload: int) -> float:
-        """What one rank sends of ``payload`` (this step's ``pop_comm_bytes()``) in ring algorithms
-        (Thakur et al. 2005 §4): (N - 1) / N of reduce-scattered and all-gathered buffers, 2 (N - 1) / N
-        of the all-reduced "had a gradient" flags."""
-        n = self.world
-        flags, self.all_reduce_bytes_last_step = self.all_reduce_bytes_last_step, 0
-        return (payload - flags) * (n - 1) / n + flags * 2 * (n - 1) / n
 
     def pop_gather_traffic(self) -> dict[str, int]:
         """Bytes this rank received in parameter gathers since the last call, by phase and by

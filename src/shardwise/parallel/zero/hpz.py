@@ -66,6 +66,10 @@ class NodePartition:
         self.local_rank = dist.get_rank(node_group) if node_group is not None else 0
         self.traffic = dict.fromkeys(TRAFFIC_KEYS, 0)
         """Bytes received by this rank in parameter gathers since the last ``pop_traffic``."""
+        self.held_bytes = 0
+        """Bytes of the secondary partitions' storages alive now."""
+        self.peak_bytes = 0
+        """The most ``held_bytes`` has been (measured at each allocation)."""
 
     @property
     def enabled(self) -> bool:
@@ -77,7 +81,10 @@ class NodePartition:
     def keep(self, unit: FlatUnit) -> None:
         """Copy this rank's node slice of the freshly gathered ``unit.full`` (the secondary partition)."""
         n = self.secondary_numel(unit)
+        self.drop(unit)
         unit.secondary = unit.full[self.local_rank * n:(self.local_rank + 1) * n].clone()
+        self.held_bytes += unit.secondary.untyped_storage().nbytes()
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def gather(self, unit: FlatUnit) -> dist.Work:
         """Launch the intra-node all-gather of the secondary partitions into ``unit.full``."""
@@ -94,6 +101,9 @@ class NodePartition:
         self.traffic[f"{phase}_inter_node"] += total * (self.world - self.size) // self.world
 
     def drop(self, unit: FlatUnit) -> None:
+        secondary = getattr(unit, "secondary", None)
+        if isinstance(secondary, torch.Tensor):
+            self.held_bytes -= secondary.untyped_storage().nbytes()
         unit.secondary = None
 
     def nbytes(self, units: list[FlatUnit]) -> int:

@@ -63,6 +63,10 @@ class MasterStore:
     def params(self) -> list[torch.Tensor]:
         return [m for _, _, m in self.entries]
 
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The CPU buffers offloaded gradient shards land in (none without offload)."""
+        return list(self._grad_cpu.values())
+
     def resident(self, unit, state: dict | None = None, write: bool = False):
         """Context in which ``unit``'s master pieces (and optimizer ``state``) hold values: a no-op
         unless offload is "disk", where they are streamed in and, with ``write``, back out."""

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.dist.comm.allreduce import all_reduce
+from shardwise.dist.comm.counting import nbytes
 from shardwise.parallel.zero import exchange
 from shardwise.parallel.zero.flat import FlatUnit
 from shardwise.parallel.zero.quant import reduce_scatter_int8
@@ -111,11 +113,11 @@ class GradReduction:
         else:
             out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
         if self.quant_grads:
-            work, nbytes = reduce_scatter_int8(out, flat, self.group)
-            self.comm_bytes_last_step += nbytes
+            work, handed = reduce_scatter_int8(out, flat, self.group)
+            self.comm_stats.hand(handed, backend=True)
         else:
             work = self._reduce_scatter_work(out, flat, unit)
-            self.comm_bytes_last_step += flat.numel() * flat.element_size()
+            self.comm_stats.hand(nbytes(flat), backend=not self.direct_exchange)
         self._inflight.append((unit, flat, out, work))
 
     def _reduce_scatter_work(self, out: torch.Tensor, flat: torch.Tensor, unit: FlatUnit):
@@ -124,7 +126,8 @@ class GradReduction:
         if self.direct_exchange:
             need = exchange.scratch_numel(out, flat, self.world)
             scratch = self._grad_pool.take(need, flat.dtype, flat.device) if need else None
-            work = exchange.reduce_scatter(out, flat, self.group, tag=exchange.TAG + 2 * unit.index, scratch=scratch)
+            work = exchange.reduce_scatter(out, flat, self.group, tag=exchange.TAG + 2 * unit.index, scratch=scratch,
+                                           on_send=self.comm_stats.send)
             if scratch is not None:
                 work.after = lambda: self._grad_pool.give(scratch)
             return work
@@ -150,10 +153,11 @@ class GradReduction:
     def _agree_on_grads(self) -> None:
         """Give every unit ``had_grad``: per parameter, whether any rank produced a gradient."""
         flags = torch.tensor(list(self._had_grad), dtype=torch.uint8, device=self.units[0].shard.device)
-        if self.world > 1:
+        if self.world > 1 and self.direct_exchange:  # our ring on gloo: every byte counted where it is sent
+            all_reduce(flags, "max", self.group, "ring", verify=False, stats=self.comm_stats)
+        elif self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-            self.comm_bytes_last_step += flags.numel()
-            self.all_reduce_bytes_last_step += flags.numel()  # of comm_bytes: all-reduced, not scattered
+            self.comm_stats.hand(nbytes(flags), backend=True)
         flags, base = flags.tolist(), 0
         for u in self.units:
             u.had_grad = [bool(f) for f in flags[base:base + len(u.params)]]

@@ -22,6 +22,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from shardwise.dist.comm.counting import nbytes
 from shardwise.parallel.zero import exchange
 from shardwise.parallel.zero.flat import FlatUnit
 from shardwise.parallel.zero.quant import all_gather_int8
@@ -46,15 +47,15 @@ class Stage3Hooks:
             if phase == "backward" and unit.secondary is not None:
                 unit.gather_work = self.hpz.gather(unit)
                 unit.after_gather = self.hpz.drop
-                self.comm_bytes_last_step += unit.param_bytes_full()
+                self.comm_stats.hand(nbytes(unit.full), backend=True)
             else:
                 if self.quant_weights:
-                    unit.gather_work, nbytes = all_gather_int8(unit.full, unit.shard, self.group)
+                    unit.gather_work, handed = all_gather_int8(unit.full, unit.shard, self.group)
                 else:
                     unit.gather_work = self._all_gather_work(unit, unit.shard)
-                    nbytes = unit.param_bytes_full()
-                self.comm_bytes_last_step += nbytes
-                self.hpz.count(unit, phase, within_node=False, nbytes=nbytes)
+                    handed = nbytes(unit.full)
+                self.comm_stats.hand(handed, backend=self.quant_weights or not self.direct_exchange)
+                self.hpz.count(unit, phase, within_node=False, nbytes=handed)
                 keep = self.hpz.enabled and phase == "forward" and unit.index > 0 and torch.is_grad_enabled()
                 unit.after_gather = self.hpz.keep if keep else None
         if wait and unit.gather_work is not None:
@@ -64,7 +65,8 @@ class Stage3Hooks:
         """Launch the all-gather of ``shard`` (``None``: the own slice of ``unit.full``, in place) into
         ``unit.full``: a direct exchange on gloo (:mod:`.exchange`), the backend's collective otherwise."""
         if self.direct_exchange:
-            return exchange.all_gather(unit.full, self.group, shard, tag=exchange.TAG + 2 * unit.index + 1)
+            return exchange.all_gather(unit.full, self.group, shard, tag=exchange.TAG + 2 * unit.index + 1,
+                                       on_send=self.comm_stats.send)
         if shard is None:
             shard = unit.shard.clone()
         return dist.all_gather_single(unit.full, shard, group=self.group, async_op=True)
