@@ -185,7 +185,7 @@ def reads(*files: str, pattern: str = "") -> Reads:
     return Reads(files, pattern)
 
 
-NOT_IMPLEMENTED = {"parallel.tp", "parallel.cp", "parallel.ep", "parallel.sequence_parallel"}
+NOT_IMPLEMENTED = {"parallel.cp", "parallel.ep"}
 """Named in the tree for the planner and refused by the trainer until the technique exists."""
 
 PROOFS: dict[str, tuple] = {
@@ -234,8 +234,8 @@ PROOFS: dict[str, tuple] = {
     "train.fp16_growth_interval": (reads("train/loop.py"),
                                    Refused({"train.precision": "fp32", "train.fp16_growth_interval": 100},
                                            "train.precision='fp32' has none")),
-    "train.recompute": (reads("train/engines.py"),),
-    "train.recompute_every": (reads("train/engines.py"),
+    "train.recompute": (reads("parallel/parallelize.py"),),
+    "train.recompute_every": (reads("parallel/parallelize.py"),
                               Refused({"train.recompute_every": 2}, "but train.recompute='none'")),
     "train.eval_every": (reads("train/loop.py"),),
     "train.eval_batches": (reads("train/loop.py"),),
@@ -243,7 +243,7 @@ PROOFS: dict[str, tuple] = {
     "parallel.nproc": (reads("launch.py"), Derives({"parallel.nproc": 1}, ("parallel.dp",))),
     "parallel.nnodes": (reads("launch.py"), Derives({"parallel.nnodes": 2}, ("parallel.dp",))),
     "parallel.dp": (reads("dist/mesh.py"),),
-    "parallel.tp": (Refused({"parallel.tp": 2}, "tensor parallelism is not implemented yet"),),
+    "parallel.tp": (reads("dist/mesh.py"), Derives({"parallel.tp": 2}, ("parallel.dp",))),
     "parallel.pp": (reads("train/engines.py"), Derives({"parallel.pp": 2}, ("parallel.dp", "parallel.microbatches"))),
     "parallel.cp": (Refused({"parallel.cp": 2}, "context parallelism is not implemented yet"),),
     "parallel.ep": (Refused({"parallel.ep": 2}, "expert parallelism is not implemented yet"),),
@@ -268,7 +268,8 @@ PROOFS: dict[str, tuple] = {
                             Refused({"parallel.pp": 2, "parallel.pp_virtual": 2}, "needs pp_schedule='interleaved'")),
     "parallel.pp_partition": (reads("train/pipeline_engine.py"),
                               Refused({"parallel.pp_partition": "flops"}, "but parallel.pp=1")),
-    "parallel.sequence_parallel": (Refused({"parallel.sequence_parallel": True}, "not implemented yet"),),
+    "parallel.sequence_parallel": (reads("parallel/parallelize.py"),
+                                   Refused({"parallel.sequence_parallel": True}, "but parallel.tp=1")),
     "parallel.bucket_mb": (reads("train/engines.py"),
                            Refused({"parallel.zero": 3, "parallel.bucket_mb": 1}, "ZeRO-3 (parallel.zero=3)")),
     "parallel.backend": (reads("train/loop.py"),),

@@ -89,8 +89,9 @@ def test_gradient_accumulation_equals_the_large_batch(single_process, tmp_path, 
     assert_same_training(result, single_process, atol=1e-5)
 
 
-def test_activation_checkpointing_changes_nothing(single_process, tmp_path, cache_dir):
-    result = run(tmp_path, cache_dir, "recompute", 1, **{"train.recompute": "full"})
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_changes_nothing(single_process, tmp_path, cache_dir, mode):
+    result = run(tmp_path, cache_dir, f"recompute-{mode}", 1, **{"train.recompute": mode})
     assert_same_training(result, single_process, atol=1e-6)
 
 

@@ -35,7 +35,7 @@ DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "hf")
 TOKENIZERS = ("byte", "bpe")
 """data.tokenizer's named values; a path to a tokenizer.json is valid too."""
 PRECISIONS = ("fp32", "bf16", "fp16")
-RECOMPUTE_MODES = ("none", "full")
+RECOMPUTE_MODES = ("none", "full", "selective")
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "disk")
 PP_SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
@@ -153,7 +153,8 @@ class TrainConfig:
     fp16_growth_interval: int = 2000
     """With precision = "fp16": steps without overflow after which the loss scale doubles."""
     recompute: str = "none"
-    """Activation checkpointing: "none" or "full" (recompute blocks in backward)."""
+    """Activation checkpointing: "none", "full" (recompute whole blocks in backward) or "selective"
+    (recompute only each block's attention core, Korthikanti et al. 2022 §5)."""
     recompute_every: int = 1
     """With recompute = "full": checkpoint every k-th block (1 = every block)."""
     eval_every: int = 50

@@ -37,6 +37,7 @@ def resolve_config(cfg: Config, world_size: int | None = None, tokenizer_vocab: 
     _default_microbatches(cfg.parallel, cfg.train)
     _resolve_batch(cfg.train, cfg.parallel.dp)
     _resolve_pipeline(cfg)
+    _resolve_tensor_parallel(cfg)
     _validate_train(cfg.train)
     _validate_misc(cfg)
     _refuse_unused(cfg)
@@ -180,7 +181,7 @@ def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
             if world % model_parallel == 0
             else f"parallel.dp*tp*pp*cp={p.dp * model_parallel} does not match the world size {world}"
         )
-    for axis, name in (("tp", "tensor"), ("cp", "context"), ("ep", "expert")):
+    for axis, name in (("cp", "context"), ("ep", "expert")):
         if getattr(p, axis) != 1:
             raise ConfigError(f"parallel.{axis}={getattr(p, axis)}: {name} parallelism is not implemented yet; use 1")
     if p.zero not in CHOICES["parallel.zero"]:
@@ -202,10 +203,36 @@ def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
     if p.dp % p.zero_hpz:
         raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} does not divide parallel.dp={p.dp}; "
                           f"use one of {_divisors(p.dp)}")
-    if p.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel=true: sequence parallelism is not implemented yet; use false")
     _positive("parallel.bucket_mb", p.bucket_mb)
     _positive("parallel.timeout_s", p.timeout_s)
+
+
+def _resolve_tensor_parallel(cfg: Config) -> None:
+    """Tensor parallelism splits heads, the MLP width and the vocabulary (parallel/plan.py says how);
+    sequence parallelism also splits the sequence over the same ranks."""
+    from shardwise.parallel.plan import check_tensor_parallel
+
+    p, m = cfg.parallel, cfg.model
+    if p.tp > 1:
+        try:
+            check_tensor_parallel(m, p.tp)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if m.dropout > 0:
+            raise ConfigError(f"model.dropout={m.dropout} with parallel.tp={p.tp}: the tensor-parallel ranks would "
+                              "draw correlated dropout masks (no per-rank RNG tracker yet); use model.dropout=0")
+        if p.pp > 1:
+            raise ConfigError(f"parallel.tp={p.tp} with parallel.pp={p.pp}: tensor parallelism inside pipeline "
+                              "stages is not composed yet; use parallel.tp=1 or parallel.pp=1")
+        if p.zero:
+            raise ConfigError(f"parallel.tp={p.tp} with parallel.zero={p.zero}: ZeRO over tensor-parallel pieces "
+                              "(flat shards of sliced weights) is not composed yet; use parallel.zero=0")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true splits the sequence over the tensor-parallel ranks, "
+                          "but parallel.tp=1; set parallel.tp > 1 or parallel.sequence_parallel=false")
+    if p.sequence_parallel and cfg.data.seq_len % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel=true needs data.seq_len={cfg.data.seq_len} divisible by "
+                          f"parallel.tp={p.tp}; use a multiple of {p.tp}")
 
 
 def _resolve_batch(t: TrainConfig, dp: int) -> None:

@@ -143,7 +143,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.rope is not None:
             q, k = self.rope(q, k)
-        y = F.scaled_dot_product_attention(
+        y = self.core(q, k, v)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core on ``[B, H, T, hd]`` heads: causal scores, softmax, dropout and the
+        weighted sum of values (Vaswani et al. 2017, eq. 1) -- the part of a layer whose activations
+        grow with T^2 in an eager implementation."""
+        return F.scaled_dot_product_attention(
             q,
             k,
             v,
@@ -151,7 +158,6 @@ class Attention(nn.Module):
             is_causal=True,
             enable_gqa=k.shape[1] != q.shape[1],
         )
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class GeluMLP(nn.Module):

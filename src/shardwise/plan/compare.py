@@ -51,8 +51,9 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     dp = p.dp or max(1, world // (p.tp * p.pp * p.cp))
     t = cfg.train
     lay = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, offload=p.offload if p.zero else "none",
+                 sequence_parallel=p.sequence_parallel,
                  pp_virtual=p.pp_virtual, micro_batch=t.micro_batch or 1,
-                 grad_accum=t.grad_accum or 1, recompute=t.recompute if t.recompute in ("none", "full") else "none")
+                 grad_accum=t.grad_accum or 1, recompute=t.recompute)
     states = STATE_CONVENTIONS["shardwise"]
     act_bytes = 4 if t.precision == "fp32" else 2
     mode = activation_mode(t.precision, states)
@@ -65,8 +66,10 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     items = [c for c in comm_items(m, lay, s, states, cluster, act_bytes, units, dp_flags=flags)
              if c.technique != "pipeline"]
     p2p = pipeline_sent_bytes(m, lay, s)
+    tp = tensor_parallel_bytes(items, lay, s, m.d_model, act_bytes)
     out = {"parameters": float(count_params(m).total), "flops_per_token": flops_per_token(m, s),
-           "comm_bytes": sum(c.total_payload for c in items) + p2p,
+           "tp_sent_bytes": tp, "comm_bytes": sum(c.total_payload for c in items if not
+                                                  c.technique.startswith("tensor parallel")) + tp + p2p,
            "comm_sent_bytes": sum(c.sent_bytes for c in items) + p2p, "pp_sent_bytes": p2p,
            "mem_device_bytes": mem.total()}
     out.update(mem.by_metric())
@@ -75,6 +78,21 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     out["mem_grads_bytes"] += flags * 4  # the flags live in the fp32 gradient buckets too
     out["mem_total_bytes"] = sum(out[k] for k in MODEL_STATE_METRICS)
     return out
+
+
+def tensor_parallel_bytes(items, lay: Layout, s: int, d_model: int, act_bytes: int) -> float:
+    """Bytes a tensor-parallel rank hands to its collectives per step, as the trainer does them: the
+    planner's four per layer and micro-batch (Shoeybi et al. 2019 §3), plus the vocabulary-parallel
+    embedding's exit and the head's entry (one each way; with sequence parallelism a reduce-scatter and
+    an all-gather each) and the vocabulary-parallel loss's three all-reduces of one fp32 value per token.
+    With sequence parallelism the per-parameter gradient all-reduces of the replicated norms and biases
+    are not included."""
+    if lay.tp == 1:
+        return 0.0
+    tokens = lay.micro_batch * s
+    per_micro = (2 if lay.sequence_parallel else 1) * 2 * tokens * d_model * act_bytes + 3 * tokens * 4
+    return sum(c.total_payload for c in items if c.technique.startswith("tensor parallel")) + \
+        per_micro * lay.grad_accum
 
 
 def measured_for_run(run_dir: Path) -> dict[str, float]:
@@ -111,6 +129,8 @@ def compare_run(run_dir: Path, as_json: bool = False) -> int:
             ("mem_device_bytes vs mem_peak_rss_bytes", pred["mem_device_bytes"], meas.get("mem_peak_rss_bytes"))]
     if cfg.parallel.pp > 1:
         rows.insert(2, ("pp_sent_bytes", pred["pp_sent_bytes"], meas.get("pp_sent_bytes")))
+    if cfg.parallel.tp > 1:
+        rows.insert(2, ("tp_sent_bytes", pred["tp_sent_bytes"], meas.get("tp_sent_bytes")))
     rows += [(k, pred[k], meas.get(k)) for k in (*MEMORY_METRICS, "mem_total_bytes")]
     rows += [(k, None, meas.get(k)) for k in ("tokens_per_s", "step_time_s", "mfu")]
     rows += [("parameters", pred["parameters"], None), ("flops_per_token", pred["flops_per_token"], None)]

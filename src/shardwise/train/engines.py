@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from shardwise.config import Config
 from shardwise.dist.comm.compress import gradient_all_reduce
+from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import Mesh
 from shardwise.model import Transformer
 from shardwise.model.transformer import initial_value
@@ -40,7 +41,8 @@ from shardwise.train import memory as train_memory
 from shardwise.train.checkpoint import CheckpointError
 from shardwise.train.optim import build_optimizer
 from shardwise.train.precision import DynamicLossScaler, autocast_context
-from shardwise.train.recompute import apply_activation_checkpointing
+from shardwise.parallel.parallelize import parallelize
+from shardwise.train import tp_state
 from shardwise.train.sharded import Piece, materialized_optimizer_state, state_pieces
 
 
@@ -69,15 +71,21 @@ def clip_local_grads(params, max_norm: float) -> float:
 
 
 class DataParallelEngine:
-    """Every rank holds the whole model; gradients are averaged by bucketed all-reduce during backward."""
+    """Every rank of a data-parallel group holds the same model part (the whole model, or with
+    ``parallel.tp`` its tensor-parallel piece); gradients are averaged by bucketed all-reduce during backward.
+
+    The part is built from the single-device model and rewritten by
+    :func:`~shardwise.parallel.parallelize.parallelize` (TP/SP, then recompute) before the data-parallel
+    wrapper goes around it."""
 
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, run_dir: Path):
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.group = mesh.dp_group
+        self.ledger = CommLedger()
+        """Every collective of this rank's techniques, counted where it is called, by mesh axis."""
         torch.manual_seed(cfg.train.seed)
-        self.module = self._build_module()
-        if cfg.train.recompute == "full":
-            apply_activation_checkpointing(self.module.blocks, cfg.train.recompute_every)
+        self.tp_size, self.tp_rank = mesh.size("tp"), mesh.rank("tp")
+        self.module = parallelize(self._build_module(), mesh, cfg, self.ledger)
         self.wrapper = self._wrap(run_dir)
         self.optimizer = self._optimizer()
 
@@ -89,13 +97,14 @@ class DataParallelEngine:
 
     def _wrap(self, run_dir: Path):
         return DataParallel(self.module, group=self.group, bucket_mb=self.cfg.parallel.bucket_mb,
-                            all_reduce_fn=gradient_all_reduce(self.cfg.comm))
+                            all_reduce_fn=gradient_all_reduce(self.cfg.comm, self.ledger["dp"]))
 
     def _optimizer(self):
         return build_optimizer(self.module, self.cfg.train)
 
     def describe(self) -> str:
-        return f"dp={self.mesh.dp_size}"
+        tp = f" x tp={self.tp_size}{' (sequence parallel)' if self.cfg.parallel.sequence_parallel else ''}"
+        return f"dp={self.mesh.dp_size}" + (tp if self.tp_size > 1 else "")
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str,
                          scaler: DynamicLossScaler | None) -> torch.Tensor:
@@ -111,8 +120,12 @@ class DataParallelEngine:
         return loss_sum / len(batches)
 
     def unscale_and_clip(self, scaler: DynamicLossScaler | None, max_norm: float) -> tuple[bool, float]:
-        found_inf = scaler.unscale_(self.module.parameters()) if scaler else False
-        return found_inf, clip_local_grads(self.module.parameters(), max_norm)
+        if self.tp_size == 1:
+            found_inf = scaler.unscale_(self.module.parameters()) if scaler else False
+            return found_inf, clip_local_grads(self.module.parameters(), max_norm)
+        tp_group = self.mesh.group("tp")  # each rank holds other pieces: agree on overflow, norm over all
+        found_inf = scaler.unscale_(self.module.parameters(), group=tp_group) if scaler else False
+        return found_inf, tp_state.clip_grad_norm(self.module.parameters(), max_norm, tp_group)
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, precision: str) -> torch.Tensor:
         with autocast_context(precision, self.device.type):
@@ -122,8 +135,8 @@ class DataParallelEngine:
         self.module.train(on)
 
     def comm_metrics(self) -> dict[str, float]:
-        return {"comm_bytes": float(self.wrapper.comm_bytes_last_step),
-                "comm_sent_bytes": float(self.wrapper.all_reduce_fn.pop_bytes_sent())}
+        """This step's communication as the counting layer recorded it (:meth:`CommLedger.pop_metrics`)."""
+        return self.ledger.pop_metrics()
 
     def step_metrics(self) -> dict[str, float]:
         return {}
@@ -134,18 +147,36 @@ class DataParallelEngine:
     def checkpoint_pieces(self) -> tuple[list[Piece], list[dict] | None]:
         """What this rank writes into a checkpoint, and (on global rank 0) the single-process optimizer's
         param groups. Replicas are equal: rank 0 writes every tensor whole, the others nothing."""
+        if self.tp_size > 1:  # data-parallel rank 0 of each tensor-parallel rank: the rows it owns
+            state = self.optimizer.state_dict()
+            groups = state["param_groups"] if dist.get_rank() == 0 else None
+            if self.mesh.dp_rank != 0:
+                return [], groups
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            return (tp_state.model_pieces(self.module, self.tp_rank)
+                    + tp_state.optimizer_pieces(params, state["state"], self.tp_rank)), groups
         if dist.get_rank() != 0:
             return [], None
         state = self.optimizer.state_dict()
         return state_pieces(self.module.state_dict(), state["state"]), state["param_groups"]
 
     def load_state(self, model_state: Mapping, optimizer_state: dict) -> None:
-        """Load the single-process model and optimizer state (lazy mappings from a checkpoint reader)."""
+        """Load the single-process model and optimizer state (lazy mappings from a checkpoint reader);
+        with tensor parallelism each rank takes its rows of every tensor."""
+        if self.tp_size > 1:
+            tp_state.load_model(self.module, model_state)
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            full = materialized_optimizer_state(optimizer_state)
+            self.optimizer.load_state_dict({"state": tp_state.local_optimizer_state(params, full["state"]),
+                                            "param_groups": full["param_groups"]})
+            return
         load_model_state(self.module, dict(model_state))
         self.optimizer.load_state_dict(materialized_optimizer_state(optimizer_state))
 
     def final_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on global rank 0 (a collective for sharded layouts)."""
+        if self.tp_size > 1:
+            return tp_state.gather_full_state(self.module, self.tp_rank, active=self.mesh.dp_rank == 0)
         return self.module.state_dict()
 
 
@@ -177,7 +208,7 @@ class ZeroEngine(DataParallelEngine):
                                 unit_blocks=p.zero_unit, offload=p.offload,
                                 offload_dir=p.offload_dir or str(run_dir / "offload"),
                                 quant_weights=p.zero_quant_weights, quant_grads=p.zero_quant_grads,
-                                hpz_size=p.zero_hpz,
+                                hpz_size=p.zero_hpz, comm_stats=self.ledger["dp"],
                                 param_init=self._param_init(), device=self.device)
 
     def _optimizer(self):
@@ -189,12 +220,6 @@ class ZeroEngine(DataParallelEngine):
     def unscale_and_clip(self, scaler: DynamicLossScaler | None, max_norm: float) -> tuple[bool, float]:
         found_inf = scaler.unscale_(self.optimizer.master_params(), group=self.group) if scaler else False
         return found_inf, self.wrapper.clip_grad_norm_(max_norm)
-
-    def comm_metrics(self) -> dict[str, float]:
-        """``comm_bytes``: the buffers handed to all-gather / reduce-scatter this step; ``comm_sent_bytes``:
-        what one rank sends of them in ring algorithms, as the cost model counts."""
-        payload = self.wrapper.pop_comm_bytes()
-        return {"comm_bytes": float(payload), "comm_sent_bytes": float(self.wrapper.pop_comm_sent_bytes(payload))}
 
     def checkpoint_pieces(self) -> tuple[list[Piece], list[dict] | None]:
         """Every rank writes the slices of the parameters and optimizer moments in its own shard;

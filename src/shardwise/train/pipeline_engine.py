@@ -50,7 +50,7 @@ from shardwise.train import memory as train_memory
 from shardwise.train.engines import load_model_state
 from shardwise.train.optim import build_optimizer, decay_groups, optimizer_param_names
 from shardwise.train.precision import DynamicLossScaler, autocast_context
-from shardwise.train.recompute import checkpoint_module
+from shardwise.train.recompute import apply_recompute
 from shardwise.train.sharded import Piece, state_pieces
 
 
@@ -70,10 +70,7 @@ class PipelineEngine:
         for c in range(self.v):
             stage = c * self.p + rank
             chunk = build_stage(cfg.model, stage, self.p * self.v, self.split[stage], cfg.train.seed, device)
-            if cfg.train.recompute == "full":  # the blocks a single process would checkpoint
-                for layer_id, block in chunk.blocks.items():
-                    if int(layer_id) % cfg.train.recompute_every == 0:
-                        checkpoint_module(block)
+            apply_recompute(chunk, cfg.train.recompute, cfg.train.recompute_every)
             chunks.append(chunk)
         self.module = nn.ModuleList(chunks)  # for accounting and train/eval mode; names via chunks
         precision = cfg.train.precision

@@ -1,0 +1,36 @@
+"""Apply the parallel techniques to a plain single-device model part, in one fixed order.
+
+The order is the one in which each technique needs to see the model (torchtitan's ``parallelize``
+for Llama does the same; DESIGN.md "How layouts compose"):
+
+1. tensor / sequence parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022 §4.2.2): the block's
+   Linears and the embeddings become their parallel forms over the ``tp`` axis
+   (:func:`shardwise.parallel.plan.apply_tensor_parallel`);
+2. context parallelism and experts plug in here (not implemented yet; refused by the config);
+3. activation recomputation, full or selective (:mod:`shardwise.train.recompute`), around what the
+   previous steps produced;
+
+then the caller cuts pipeline stages (a pipeline builds each stage from the plain model first and
+runs this function on every stage) and wraps the result in a data-parallel wrapper (plain or ZeRO)
+over the gradient-reduction group. Each step runs only if its axis is on.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.dist.comm.counting import CommLedger
+from shardwise.dist.mesh import Mesh
+from shardwise.parallel.plan import apply_tensor_parallel
+from shardwise.train.recompute import apply_recompute
+
+
+def parallelize(part: nn.Module, mesh: Mesh, cfg, ledger: CommLedger) -> nn.Module:
+    """Rewrite ``part`` (a :class:`~shardwise.model.Transformer` or a pipeline stage of one, holding real
+    values) in place for this rank: TP/SP -> (CP, EP) -> recompute. Collectives record into
+    ``ledger[axis]``. Returns ``part``."""
+    if mesh.size("tp") > 1:
+        apply_tensor_parallel(part, mesh.group("tp"), ledger["tp"],
+                              sequence_parallel=cfg.parallel.sequence_parallel, cfg=cfg.model)
+    apply_recompute(part, cfg.train.recompute, cfg.train.recompute_every)
+    return part

@@ -1,0 +1,166 @@
+"""The single-process training state of a tensor-parallel model part: checkpoint pieces, loading, norms.
+
+Every parameter of a model rewritten by :func:`shardwise.parallel.plan.apply_tensor_parallel` carries a
+:class:`~shardwise.parallel.tensor.TPShard` (``p.tp_shard``): which rows of which dim of the full tensor
+it holds, and whether this rank is the *owner* among the ranks holding the same piece. From that alone:
+
+* a checkpoint holds the single-process state (layout-free, :mod:`shardwise.train.sharded`): each owner
+  writes its rows of every parameter and of its optimizer moments as flat pieces of the full tensor (one
+  piece for a split along dim 0; one per leading index for a split along a later dim);
+* loading takes this rank's rows of each full tensor (``TPShard.take``), padding included, so a tensor-
+  parallel run resumes from any layout's checkpoint and the other way round;
+* the global gradient norm counts each element of the single-process gradient once: the squares of
+  owned shards are summed over the tensor-parallel group, full copies counted locally (they are equal
+  on every rank), non-owner replicas left out (the "ShardedInfo" idea of nanotron).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.train.sharded import Piece
+
+def shard_info(t: torch.Tensor):
+    """The tensor's :class:`TPShard`, or ``None`` for a tensor that is not laid out over tp."""
+    return getattr(t, "tp_shard", None)
+
+
+def slice_pieces(key: str, local: torch.Tensor, info) -> list[Piece]:
+    """Flat pieces of the full tensor ``key`` that ``local`` (this rank's part, laid out as ``info``) holds."""
+    full_shape = tuple(info.full_shape)
+    if info.dim is None:
+        return [Piece(key, local.detach().reshape(-1), 0, full_shape)]
+    d = info.dim
+    real = local.detach()[info.local_index()]
+    inner = math.prod(full_shape[d + 1:])
+    rows = info.stop - info.start
+    if rows == 0:
+        return []
+    runs = real.reshape(math.prod(full_shape[:d]), rows * inner)
+    return [Piece(key, runs[i], (i * full_shape[d] + info.start) * inner, full_shape)
+            for i in range(runs.shape[0])]
+
+
+def owned_param_names(module: nn.Module) -> dict[str, object]:
+    """Every state-dict key of ``module`` that names a parameter, with its TPShard (``None`` when the
+    parameter is not laid out over tp); tied parameters appear under every name."""
+    return {name: shard_info(p) for name, p in module.named_parameters(remove_duplicate=False)}
+
+
+def model_pieces(module: nn.Module, tp_rank: int) -> list[Piece]:
+    """This rank's pieces of the single-process model state: owned slices of parameters; buffers and
+    parameters without tp metadata from tensor-parallel rank 0."""
+    infos = owned_param_names(module)
+    pieces: list[Piece] = []
+    for key, t in module.state_dict().items():
+        info = infos.get(key)
+        if info is None:
+            if tp_rank == 0:
+                pieces.append(Piece(f"model/{key}", t.detach().reshape(-1), 0, tuple(t.shape)))
+        elif info.owner:
+            pieces += slice_pieces(f"model/{key}", t, info)
+    return pieces
+
+
+def optimizer_pieces(params: list[nn.Parameter], state: Mapping[int, Mapping], tp_rank: int) -> list[Piece]:
+    """Pieces of the optimizer's per-parameter state (``state[i]`` belongs to ``params[i]``, the
+    single-process optimizer's index order): element-wise moments sliced like their parameter,
+    scalars (the step count) written once."""
+    pieces: list[Piece] = []
+    for index, per_param in state.items():
+        p = params[index]
+        info = shard_info(p)
+        owner = info.owner if info is not None else tp_rank == 0
+        if not owner:
+            continue
+        for name, value in per_param.items():
+            key = f"optim/{index}/{name}"
+            if info is not None and value.dim() > 0 and value.shape == p.shape:
+                pieces += slice_pieces(key, value, info)
+            else:
+                pieces.append(Piece(key, value.detach().reshape(-1), 0, tuple(value.shape)))
+    return pieces
+
+
+def local_value(full: torch.Tensor, like: torch.Tensor, info) -> torch.Tensor:
+    """This rank's part of ``full`` for a local tensor shaped like ``like`` (padding zero)."""
+    if info is None:
+        return full
+    return info.take(full, like.shape[info.dim] if info.dim is not None else None)
+
+
+@torch.no_grad()
+def load_model(module: nn.Module, model_state: Mapping[str, torch.Tensor]) -> None:
+    """Copy this rank's part of every tensor of the single-process ``model_state`` into ``module``."""
+    from shardwise.train.checkpoint import CheckpointError
+
+    infos = owned_param_names(module)
+    own = module.state_dict()
+    missing = [k for k in own if k not in model_state]
+    if missing:
+        raise CheckpointError(f"checkpoint model does not match: missing {missing[:3]}")
+    for key, local in own.items():
+        local.copy_(local_value(model_state[key], local, infos.get(key)))
+
+
+def local_optimizer_state(params: list[nn.Parameter], state: Mapping[int, Mapping]) -> dict[int, dict]:
+    """The single-process optimizer state (full tensors per index) cut to this rank's parameters."""
+    out = {}
+    for index, per_param in state.items():
+        p = params[int(index)]
+        info = shard_info(p)
+        out[int(index)] = {name: local_value(v, p, info) if isinstance(v, torch.Tensor) and v.dim() > 0
+                           and info is not None and v.shape == torch.Size(info.full_shape) else v
+                           for name, v in per_param.items()}
+    return out
+
+
+def gather_full_state(module: nn.Module, tp_rank: int, active: bool = True, dst: int = 0) -> dict[str, torch.Tensor]:
+    """The whole single-process model state on global rank ``dst`` (a collective over the world; ranks
+    with ``active=False``, e.g. data-parallel replicas, contribute nothing). For tests and tools."""
+    mine = [(p.key, p.start, p.values.cpu(), p.shape) for p in model_pieces(module, tp_rank)] if active else []
+    out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(mine, out, dst=dst)
+    full: dict[str, torch.Tensor] = {}
+    for rank_pieces in out or []:
+        for key, start, values, shape in rank_pieces:
+            name = key.removeprefix("model/")
+            t = full.setdefault(name, torch.zeros(math.prod(shape), dtype=values.dtype))
+            t[start:start + values.numel()] = values
+            full[name] = t
+    shapes = {p[0].removeprefix("model/"): p[3] for rp in (out or []) for p in rp}
+    return {k: v.view(shapes[k]) for k, v in full.items()}
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group) -> float:
+    """Global L2 norm of the single-process gradient whose pieces ``params`` hold over ``tp_group``,
+    clipped to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` would clip the whole gradient."""
+    params = [p for p in dict.fromkeys(params) if p.grad is not None]
+    if not params:
+        return 0.0
+    shards, copies = [], []
+    for p in params:
+        info = shard_info(p)
+        if info is None or info.dim is None:
+            copies.append(p.grad)
+        elif info.owner:
+            shards.append(p.grad[info.local_index()])
+    device = params[0].grad.device
+    sq = torch.zeros(2, dtype=torch.float32, device=device)
+    if shards:
+        sq[0] = torch.stack([n.float() for n in torch._foreach_norm(shards)]).pow(2).sum()
+    if copies:
+        sq[1] = torch.stack([n.float() for n in torch._foreach_norm(copies)]).pow(2).sum()
+    shard_sq = sq[:1].clone()
+    dist.all_reduce(shard_sq, group=tp_group)
+    total = (shard_sq[0] + sq[1]).sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_([p.grad for p in params], coef)
+    return float(total)
