@@ -62,10 +62,29 @@ def test_tp_bytes_are_counted_where_sent(tmp_path, cache_dir):
     assert pred["tp_sent_bytes"] == meas["tp_sent_bytes"] and pred["comm_bytes"] == meas["comm_bytes"]
 
 
-@pytest.mark.parametrize("first,then", [({"parallel.tp": 2}, {}), ({}, {"parallel.tp": 2})])
+TP2_PP2 = {"parallel.tp": 2, "parallel.pp": 2, "parallel.microbatches": 4}
+
+
+@pytest.mark.parametrize("first,then", [((2, {"parallel.tp": 2}), (2, {})), ((2, {}), (2, {"parallel.tp": 2})),
+                                        ((4, TP2_PP2), (2, {"parallel.tp": 2}))])
 def test_resume_across_tensor_parallel_layouts(single_process, tmp_path, cache_dir, first, then):
-    """Stop a tp 2 run at step 6 and resume it as dp 2, and the other way round: the checkpoint holds
-    the single-process state, so the result equals an uninterrupted single process."""
-    run(tmp_path, cache_dir, "resumed", 2, stop_after=6, **{"ckpt.every": 3, **first})
-    result = run(tmp_path, cache_dir, "resumed", 2, **{"ckpt.every": 3, "ckpt.resume": True, **then})
+    """Stop a tp 2 run at step 6 and resume it as dp 2, the other way round, and tp 2 x pp 2 as tp 2:
+    the checkpoint holds the single-process state, so the result equals an uninterrupted single process."""
+    run(tmp_path, cache_dir, "resumed", first[0], stop_after=6, **{"ckpt.every": 3, **first[1]})
+    result = run(tmp_path, cache_dir, "resumed", then[0], **{"ckpt.every": 3, "ckpt.resume": True, **then[1]})
     assert_same_training(([*single_process[0][:6], *result[0]], result[1]), single_process, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,schedule", [
+    ("tp2-pp2", {}),
+    ("tp2-pp2-interleaved", {"parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2}),
+])
+def test_tensor_parallel_stages_equal_one_process(tmp_path, cache_dir, name, schedule):
+    """tp 2 x pp 2 (4 ranks): every stage is rewritten by the same parallelize() as a whole model; the
+    tied GPT-2 table's gradient is exchanged between the first and last stage of each tensor-parallel
+    rank (both hold the same vocabulary rows); the gradient norm counts owned pieces over tp and pp."""
+    layers = {"model.n_layers": 4}
+    ref = run(tmp_path, cache_dir, "ref", 1, **layers)
+    pp = run(tmp_path, cache_dir, name, 4, **{"parallel.tp": 2, "parallel.pp": 2,
+                                             "parallel.microbatches": 4, **layers, **schedule})
+    assert_same_training(pp, ref, atol=1e-5)

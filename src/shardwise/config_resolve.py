@@ -221,9 +221,13 @@ def _resolve_tensor_parallel(cfg: Config) -> None:
         if m.dropout > 0:
             raise ConfigError(f"model.dropout={m.dropout} with parallel.tp={p.tp}: the tensor-parallel ranks would "
                               "draw correlated dropout masks (no per-rank RNG tracker yet); use model.dropout=0")
-        if p.pp > 1:
-            raise ConfigError(f"parallel.tp={p.tp} with parallel.pp={p.pp}: tensor parallelism inside pipeline "
-                              "stages is not composed yet; use parallel.tp=1 or parallel.pp=1")
+        if p.pp > 1 and p.sequence_parallel:
+            raise ConfigError(f"parallel.sequence_parallel=true with parallel.pp={p.pp}: stages exchange whole-"
+                              "sequence activations; sequence-split ones are not composed yet; use "
+                              "parallel.sequence_parallel=false")
+        if p.pp > 1 and p.pp_schedule == "zb-h1":
+            raise ConfigError(f"parallel.pp_schedule='zb-h1' with parallel.tp={p.tp}: the zero-bubble schedule "
+                              "defers nn.Linear weight gradients, not those of tensor-parallel layers; use '1f1b'")
         if p.zero:
             raise ConfigError(f"parallel.tp={p.tp} with parallel.zero={p.zero}: ZeRO over tensor-parallel pieces "
                               "(flat shards of sliced weights) is not composed yet; use parallel.zero=0")

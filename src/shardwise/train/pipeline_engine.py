@@ -50,7 +50,8 @@ from shardwise.train import memory as train_memory
 from shardwise.train.engines import load_model_state
 from shardwise.train.optim import build_optimizer, decay_groups, optimizer_param_names
 from shardwise.train.precision import DynamicLossScaler, autocast_context
-from shardwise.train.recompute import apply_recompute
+from shardwise.parallel.parallelize import parallelize
+from shardwise.train import tp_state
 from shardwise.train.sharded import Piece, state_pieces
 
 
@@ -62,6 +63,9 @@ class PipelineEngine:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.group = mesh.dp_group
         self.pp_group, self.stage_ranks = mesh.group("pp"), mesh.ranks("pp")
+        self.tp_size, self.tp_rank = mesh.size("tp"), mesh.rank("tp")
+        self.tp_group = mesh.group("tp") if self.tp_size > 1 else None
+        self.ledger = CommLedger()
         self.p, self.v, self.m = p.pp, p.pp_virtual, p.microbatches
         rank = mesh.rank("pp")
         method, boundaries = pipeline_partition(p.pp_partition)
@@ -70,11 +74,10 @@ class PipelineEngine:
         for c in range(self.v):
             stage = c * self.p + rank
             chunk = build_stage(cfg.model, stage, self.p * self.v, self.split[stage], cfg.train.seed, device)
-            apply_recompute(chunk, cfg.train.recompute, cfg.train.recompute_every)
+            parallelize(chunk, mesh, cfg, self.ledger)  # TP/SP -> recompute, on this stage's modules
             chunks.append(chunk)
         self.module = nn.ModuleList(chunks)  # for accounting and train/eval mode; names via chunks
         precision = cfg.train.precision
-        self.ledger = CommLedger()
         self.pipe = Pipeline(chunks, self.stage_ranks, p.pp_schedule, self.m, cfg.model.d_model,
                              device=device, forward_context=lambda: autocast_context(precision, device.type),
                              comm_stats=self.ledger["pp"])
@@ -116,8 +119,8 @@ class PipelineEngine:
     def unscale_and_clip(self, scaler: DynamicLossScaler | None, max_norm: float) -> tuple[bool, float]:
         found_inf = scaler.unscale_(self.pipe.parameters(), group=dist.group.WORLD) if scaler else False
         if max_norm > 0:
-            return found_inf, float(clip_grad_norm(self.pipe, max_norm, self.pp_group))
-        return found_inf, float(global_grad_norm(self.pipe, self.pp_group))
+            return found_inf, float(clip_grad_norm(self.pipe, max_norm, self.pp_group, self.tp_group))
+        return found_inf, float(global_grad_norm(self.pipe, self.pp_group, self.tp_group))
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, precision: str) -> torch.Tensor:
         return self._from_last_stage(self.pipe.forward_only(x, y))
@@ -177,21 +180,33 @@ class PipelineEngine:
         decay, no_decay = self.reference_groups
         ref_index = {n: i for i, n in enumerate(decay + no_decay)}
         local_names = optimizer_param_names(self._named_parameters())
+        opt = self.optimizer.state_dict()["state"]
+        if self.tp_size > 1:  # this tensor-parallel rank's rows of its stages' tensors
+            local = [p for g in self.optimizer.param_groups for p in g["params"]]
+            params = {ref_index[local_names[i]]: local[i] for i in range(len(local))}
+            state = {ref_index[local_names[i]]: st for i, st in opt.items()}
+            return ([p for c in self.pipe.chunks for p in tp_state.model_pieces(c, self.tp_rank)]
+                    + tp_state.optimizer_pieces(params, state, self.tp_rank)), groups
         model_state: dict[str, torch.Tensor] = {}
         for chunk in self.pipe.chunks:
             model_state.update(chunk.state_dict())
-        opt = self.optimizer.state_dict()["state"]
         return state_pieces(model_state, {ref_index[local_names[i]]: st for i, st in opt.items()}), groups
 
     def load_state(self, model_state: Mapping, optimizer_state: dict) -> None:
         """Take this rank's layers (and their optimizer state) from the single-process state."""
         for chunk in self.pipe.chunks:
-            load_model_state(chunk, model_state, strict_subset=True)
+            if self.tp_size > 1:
+                tp_state.load_model(chunk, model_state)
+            else:
+                load_model_state(chunk, model_state, strict_subset=True)
         decay, no_decay = self.reference_groups
         ref_index = {n: i for i, n in enumerate(decay + no_decay)}
         saved = {int(k): v for k, v in optimizer_state["state"].items()}
         local_names = optimizer_param_names(self._named_parameters())
         state = {i: dict(saved[ref_index[n]]) for i, n in enumerate(local_names) if ref_index[n] in saved}
+        if self.tp_size > 1:
+            local = [p for g in self.optimizer.param_groups for p in g["params"]]
+            state = tp_state.local_optimizer_state(local, state)
         live_groups = self.optimizer.state_dict()["param_groups"]
         groups = [dict({k: v for k, v in saved_g.items() if k != "params"}, params=live_g["params"])
                   for saved_g, live_g in zip(optimizer_state["param_groups"], live_groups, strict=True)]
@@ -199,6 +214,8 @@ class PipelineEngine:
 
     def final_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on global rank 0 (every stage sends its layers; for tests and tools)."""
+        if self.tp_size > 1:
+            return tp_state.gather_full_state(list(self.pipe.chunks), self.tp_rank, active=self.mesh.dp_rank == 0)
         mine: dict[str, torch.Tensor] = {}
         for chunk in self.pipe.chunks:
             mine.update({k: v.detach().cpu() for k, v in chunk.state_dict().items()})

@@ -120,10 +120,14 @@ def local_optimizer_state(params: list[nn.Parameter], state: Mapping[int, Mappin
     return out
 
 
-def gather_full_state(module: nn.Module, tp_rank: int, active: bool = True, dst: int = 0) -> dict[str, torch.Tensor]:
-    """The whole single-process model state on global rank ``dst`` (a collective over the world; ranks
-    with ``active=False``, e.g. data-parallel replicas, contribute nothing). For tests and tools."""
-    mine = [(p.key, p.start, p.values.cpu(), p.shape) for p in model_pieces(module, tp_rank)] if active else []
+def gather_full_state(modules: nn.Module | list[nn.Module], tp_rank: int, active: bool = True,
+                      dst: int = 0) -> dict[str, torch.Tensor]:
+    """The whole single-process model state on global rank ``dst`` from every rank's ``modules`` (a model
+    part, or a pipeline rank's stages); a collective over the world; ranks with ``active=False``, e.g.
+    data-parallel replicas, contribute nothing. For tests and tools."""
+    modules = modules if isinstance(modules, list) else [modules]
+    mine = [(p.key, p.start, p.values.cpu(), p.shape) for m in modules for p in model_pieces(m, tp_rank)] \
+        if active else []
     out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(mine, out, dst=dst)
     full: dict[str, torch.Tensor] = {}

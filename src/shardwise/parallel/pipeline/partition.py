@@ -148,7 +148,9 @@ class StageModule(nn.Module):
 
     Registers only owned modules, under the full model's names (``tok_emb``, ``pos_emb``,
     ``blocks.<layer_id>``, ``norm_f``, ``lm_head``), so ``named_parameters()`` here matches the
-    single-device model's names. Forward reuses the model's own ``embed`` and ``head``.
+    single-device model's names. Forward runs the model's own ``embed`` and ``head`` code on the
+    stage's modules (and its ``loss_fn``), so a technique that swaps them on the stage (tensor
+    parallelism) is seen.
     ``forward(x, targets)``: ``x`` is tokens on the first stage, else activations; the last stage
     returns the loss (with ``targets``) or logits, the others activations.
     """
@@ -159,6 +161,7 @@ class StageModule(nn.Module):
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.layer_ids = list(blocks)
         object.__setattr__(self, "_model", model)  # not a child: its other modules stay on meta
+        self.cfg, self.drop, self.loss_fn, self.pos_emb = model.cfg, model.drop, model.loss_fn, None
         if self.is_first or (self.is_last and model.cfg.tie_embeddings):
             self.tok_emb = model.tok_emb
         if self.is_first and model.pos_emb is not None:
@@ -170,12 +173,14 @@ class StageModule(nn.Module):
             self.rope = model.rope
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        from shardwise.model.transformer import Transformer
+
         if self.is_first:
-            x = self._model.embed(x)
+            x = Transformer.embed(self, x)
         for block in self.blocks.values():
             x = block(x)
         if self.is_last:
-            return self._model.head(x, targets)
+            return Transformer.head(self, x, targets)
         return x
 
     @property
