@@ -5,8 +5,8 @@ Every method (none, fp16, bf16, int8, topk) trains its own replica of one small 
 as its all-reduce (what ``comm.compression`` selects in the trainer). The timed steps alternate
 between the methods, the one going first rotating every step, so drift on a shared machine hits
 all alike. Reported per method: the bytes this rank actually put on the wire per step (counted at
-every point-to-point send; for the backend's own collectives, the ring estimate -- see
-``shardwise.dist.comm.compress``), the median step time (forward + backward + AdamW, slowest
+every point-to-point send of our algorithms; with the backend's own collectives, whose wire traffic
+is not visible, the bytes handed to them -- see ``shardwise.dist.comm.counting``), the median step time (forward + backward + AdamW, slowest
 rank), both as ratios to uncompressed ("none"), and the mean loss of the last steps (compression
 must not stop the model from learning; top-k and int8 carry what they drop by error feedback).
 
@@ -74,13 +74,13 @@ def _worker(rank: int, args, port: int, queue) -> None:
         for m in order:
             x, y = _batch(args, rank, step)
             dist.barrier()
-            fns[m].pop_bytes_sent()
+            fns[m].pop_stats()
             t0 = time.perf_counter()
             opts[m].zero_grad(set_to_none=True)
             loss = nets[m](x, y)
             loss.backward()
             opts[m].step()
-            out = torch.tensor([time.perf_counter() - t0, loss.item(), fns[m].pop_bytes_sent()], dtype=torch.float64)
+            out = torch.tensor([time.perf_counter() - t0, loss.item(), _moved(fns[m].pop_stats())], dtype=torch.float64)
             dist.all_reduce(out[:1], op=dist.ReduceOp.MAX)
             dist.all_reduce(out[1:2])
             if step >= args.warmup:
@@ -90,6 +90,12 @@ def _worker(rank: int, args, port: int, queue) -> None:
     if rank == 0:
         queue.put({"model": desc, "times": times, "sent": sent, "losses": losses})
     shutdown_distributed()
+
+
+def _moved(stats) -> float:
+    """Bytes on the wire when our algorithms sent them (counted per send); with the backend's own
+    collectives, whose wire traffic is not visible, the bytes handed to them."""
+    return float(stats.bytes_sent if stats.backend_handed == 0 else stats.handed)
 
 
 def main(argv=None) -> dict:
