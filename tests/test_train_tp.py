@@ -88,3 +88,20 @@ def test_tensor_parallel_stages_equal_one_process(tmp_path, cache_dir, name, sch
     pp = run(tmp_path, cache_dir, name, 4, **{"parallel.tp": 2, "parallel.pp": 2,
                                              "parallel.microbatches": 4, **layers, **schedule})
     assert_same_training(pp, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_over_tensor_parallel_pieces_equals_one_process(single_process, tmp_path, cache_dir, zero):
+    """tp 2 x dp 2 with ZeRO-1/2/3 over the data-parallel ranks of each tensor-parallel piece: the flat
+    shards hold slices of sliced weights; the norm counts owned pieces over dp then tp."""
+    result = run(tmp_path, cache_dir, f"tp2-z{zero}", 4, **{"parallel.tp": 2, "parallel.zero": zero})
+    assert_same_training(result, single_process, atol=1e-5)
+
+
+def test_zero_tp_checkpoint_resumes_on_plain_data_parallel(single_process, tmp_path, cache_dir):
+    """A tp 2 x dp 2 ZeRO-3 checkpoint (each rank writes the full-tensor runs its shard of its piece
+    covers) resumes as plain dp 2, and equals an uninterrupted single process."""
+    run(tmp_path, cache_dir, "resumed", 4, stop_after=6,
+        **{"ckpt.every": 3, "parallel.tp": 2, "parallel.zero": 3})
+    result = run(tmp_path, cache_dir, "resumed", 2, **{"ckpt.every": 3, "ckpt.resume": True})
+    assert_same_training(([*single_process[0][:6], *result[0]], result[1]), single_process, atol=1e-5)

@@ -228,9 +228,9 @@ def _resolve_tensor_parallel(cfg: Config) -> None:
         if p.pp > 1 and p.pp_schedule == "zb-h1":
             raise ConfigError(f"parallel.pp_schedule='zb-h1' with parallel.tp={p.tp}: the zero-bubble schedule "
                               "defers nn.Linear weight gradients, not those of tensor-parallel layers; use '1f1b'")
-        if p.zero:
-            raise ConfigError(f"parallel.tp={p.tp} with parallel.zero={p.zero}: ZeRO over tensor-parallel pieces "
-                              "(flat shards of sliced weights) is not composed yet; use parallel.zero=0")
+        if p.zero and p.zero_hpz > 1:
+            raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} with parallel.tp={p.tp}: hpZ's node groups span "
+                              "the whole world, not one tensor-parallel rank's replicas; use parallel.zero_hpz=1")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true splits the sequence over the tensor-parallel ranks, "
                           "but parallel.tp=1; set parallel.tp > 1 or parallel.sequence_parallel=false")

@@ -186,7 +186,7 @@ class ZeroEngine(DataParallelEngine):
     def _build_module(self) -> Transformer:
         """ZeRO-3 builds the model on the meta device (buffers real): the wrapper materialises only this
         rank's slices, from the same ``(seed, name, shape)`` initialisation (:mod:`shardwise.parallel.zero.meta`)."""
-        if self.cfg.parallel.zero != 3:
+        if self.cfg.parallel.zero != 3 or self.mesh.size("tp") > 1:  # tensor parallelism slices real weights
             return super()._build_module()
         with torch.device("meta"):
             module = Transformer(self.cfg.model)
@@ -215,11 +215,13 @@ class ZeroEngine(DataParallelEngine):
         return ZeroOptimizer(self.wrapper, build_optimizer(self.module, self.cfg.train))
 
     def describe(self) -> str:
-        return f"dp={self.mesh.dp_size}, zero={self.cfg.parallel.zero}"
+        return super().describe() + f", zero={self.cfg.parallel.zero}"
 
     def unscale_and_clip(self, scaler: DynamicLossScaler | None, max_norm: float) -> tuple[bool, float]:
-        found_inf = scaler.unscale_(self.optimizer.master_params(), group=self.group) if scaler else False
-        return found_inf, self.wrapper.clip_grad_norm_(max_norm)
+        tp_group = self.mesh.group("tp") if self.tp_size > 1 else None
+        agree = self.group if tp_group is None else dist.group.WORLD  # every rank holds other pieces
+        found_inf = scaler.unscale_(self.optimizer.master_params(), group=agree) if scaler else False
+        return found_inf, self.wrapper.clip_grad_norm_(max_norm, tp_group)
 
     def checkpoint_pieces(self) -> tuple[list[Piece], list[dict] | None]:
         """Every rank writes the slices of the parameters and optimizer moments in its own shard;
@@ -228,12 +230,24 @@ class ZeroEngine(DataParallelEngine):
         return pieces, zero_param_groups(self.optimizer) if dist.get_rank() == 0 else None
 
     def load_state(self, model_state: Mapping, optimizer_state: dict) -> None:
-        """Each rank takes the slices of its new shard (resharding on load); tensors are read one at a time."""
+        """Each rank takes the slices of its new shard (resharding on load); tensors are read one at a time.
+        With tensor parallelism each tensor is first cut to this rank's rows (:class:`tp_state.LocalView`)."""
+        if self.tp_size > 1:
+            infos = dict(self.module.named_parameters(remove_duplicate=False))
+            model_state = tp_state.LocalView(model_state, infos.get)
+            by_ref = {self.optimizer._ref_index[id(p)]: p for p in self.module.parameters()
+                      if id(p) in self.optimizer._ref_index}
+            optimizer_state = {"param_groups": optimizer_state["param_groups"],
+                               "state": {int(i): tp_state.LocalView(st, lambda _k, p=by_ref.get(int(i)): p)
+                                         for i, st in optimizer_state["state"].items()}}
         load_model_state(self.wrapper, model_state)
         self.optimizer.load_state_dict(optimizer_state)
 
     def final_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.wrapper.state_dict()
+        state = self.wrapper.state_dict()  # a collective over the data-parallel group
+        if self.tp_size > 1:
+            return tp_state.gather_full_state(self.module, self.tp_rank, active=self.mesh.dp_rank == 0, state=state)
+        return state
 
 
 def build_engine(cfg: Config, mesh: Mesh, device: torch.device, run_dir: Path):

@@ -52,12 +52,13 @@ def owned_param_names(module: nn.Module) -> dict[str, object]:
     return {name: shard_info(p) for name, p in module.named_parameters(remove_duplicate=False)}
 
 
-def model_pieces(module: nn.Module, tp_rank: int) -> list[Piece]:
+def model_pieces(module: nn.Module, tp_rank: int, state: Mapping[str, torch.Tensor] | None = None) -> list[Piece]:
     """This rank's pieces of the single-process model state: owned slices of parameters; buffers and
-    parameters without tp metadata from tensor-parallel rank 0."""
+    parameters without tp metadata from tensor-parallel rank 0. ``state``: the module's local state dict
+    when it is not ``module.state_dict()`` (a ZeRO wrapper's gathered one)."""
     infos = owned_param_names(module)
     pieces: list[Piece] = []
-    for key, t in module.state_dict().items():
+    for key, t in (module.state_dict() if state is None else state).items():
         info = infos.get(key)
         if info is None:
             if tp_rank == 0:
@@ -121,12 +122,13 @@ def local_optimizer_state(params: list[nn.Parameter], state: Mapping[int, Mappin
 
 
 def gather_full_state(modules: nn.Module | list[nn.Module], tp_rank: int, active: bool = True,
-                      dst: int = 0) -> dict[str, torch.Tensor]:
+                      dst: int = 0, state: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The whole single-process model state on global rank ``dst`` from every rank's ``modules`` (a model
-    part, or a pipeline rank's stages); a collective over the world; ranks with ``active=False``, e.g.
-    data-parallel replicas, contribute nothing. For tests and tools."""
+    part, or a pipeline rank's stages; ``state``: the one module's local state dict, if not its own); a
+    collective over the world; ranks with ``active=False``, e.g. data-parallel replicas, contribute
+    nothing. For tests and tools."""
     modules = modules if isinstance(modules, list) else [modules]
-    mine = [(p.key, p.start, p.values.cpu(), p.shape) for m in modules for p in model_pieces(m, tp_rank)] \
+    mine = [(p.key, p.start, p.values.cpu(), p.shape) for m in modules for p in model_pieces(m, tp_rank, state)] \
         if active else []
     out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(mine, out, dst=dst)
@@ -168,3 +170,56 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group) ->
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_([p.grad for p in params], coef)
     return float(total)
+
+
+def local_range_pieces(key: str, values: torch.Tensor, local_start: int, local_shape: tuple[int, ...],
+                       info) -> list[Piece]:
+    """Pieces of the full tensor ``key`` for elements ``[local_start, local_start + values.numel())`` of this
+    rank's flattened local tensor (a ZeRO shard's slice of a tensor-parallel piece): split where the
+    local rows stop being contiguous in the full tensor, padding rows left out; none for a non-owner."""
+    full_shape = tuple(info.full_shape)
+    if not info.owner:
+        return []
+    if info.dim is None:
+        return [Piece(key, values, local_start, full_shape)]
+    d = info.dim
+    inner = math.prod(local_shape[d + 1:])
+    block = local_shape[d] * inner  # one leading index's rows, padding included
+    real = (info.stop - info.start) * inner
+    out, pos, end = [], local_start, local_start + values.numel()
+    while pos < end:
+        lead, off = divmod(pos, block)
+        block_end = min(end, (lead + 1) * block)
+        if off < real:
+            seg_end = min(block_end, lead * block + real)
+            full_start = (lead * full_shape[d] + info.start) * inner + off
+            out.append(Piece(key, values[pos - local_start:seg_end - local_start], full_start, full_shape))
+        pos = block_end
+    return out
+
+
+class LocalView(Mapping):
+    """A single-process state mapping (e.g. a checkpoint reader's lazy one) seen by this rank: reading a
+    tensor that ``like_of(key)`` names a local tensor for returns this rank's rows of it (padding zero)."""
+
+    def __init__(self, full: Mapping, like_of):
+        self.full, self.like_of = full, like_of
+
+    def __getitem__(self, key):
+        value = self.full[key]
+        like = self.like_of(key)
+        if like is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        info = shard_info(like)
+        if info is None or value.shape != torch.Size(info.full_shape):
+            return value
+        return local_value(value, like, info)
+
+    def __contains__(self, key) -> bool:
+        return key in self.full
+
+    def __iter__(self):
+        return iter(self.full)
+
+    def __len__(self):
+        return len(self.full)

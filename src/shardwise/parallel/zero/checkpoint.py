@@ -37,19 +37,30 @@ def zero_checkpoint_pieces(engine, optimizer, with_buffers: bool) -> list[Piece]
                 p = u.params[pc.param_index]
                 values = m.detach().reshape(-1).to(p.dtype).cpu().clone()
                 for name in names[id(p)]:
-                    pieces.append(Piece(f"model/{name}", values, pc.start, tuple(p.shape)))
+                    pieces += _range(f"model/{name}", values, pc.start, p)
                 for key, v in state.get(m, {}).items():
                     if not isinstance(v, torch.Tensor):
                         continue
                     target = f"optim/{ref_of[id(p)]}/{key}"
                     if v.dim() > 0:
-                        pieces.append(Piece(target, v.detach().reshape(-1).cpu().clone(), pc.start, tuple(p.shape)))
+                        pieces += _range(target, v.detach().reshape(-1).cpu().clone(), pc.start, p)
                     else:
                         pieces.append(whole(target, v.detach().cpu().clone()))
     if with_buffers:
         params = {id(p) for u in engine.units for p in u.params}
         pieces += [whole(f"model/{name}", t.detach().cpu().clone()) for name, t in live.items() if id(t) not in params]
     return pieces
+
+
+def _range(key: str, values: torch.Tensor, start: int, p: torch.nn.Parameter) -> list[Piece]:
+    """Elements ``[start, start + n)`` of parameter ``p``'s flattened tensor as pieces of the single-process
+    tensor: itself, or, for a tensor-parallel piece (``p.tp_shard``), the full tensor's runs it covers."""
+    info = getattr(p, "tp_shard", None)
+    if info is None:
+        return [Piece(key, values, start, tuple(p.shape))]
+    from shardwise.train.tp_state import local_range_pieces
+
+    return local_range_pieces(key, values, start, tuple(p.shape), info)
 
 
 def zero_param_groups(optimizer) -> list[dict]:

@@ -283,17 +283,36 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         self.masters.zero_grad()
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float, tp_group: dist.ProcessGroup | None = None) -> float:
         """Global L2 norm of the gradient over all shards (sum of squares all-reduced), clipped
-        to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` would on the full gradient."""
-        grads = [m.grad for m in self.masters.params() if m.grad is not None]
+        to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` would on the full gradient.
+
+        With ``tp_group`` the module's parameters are tensor-parallel pieces (``p.tp_shard``): the
+        squares of owned pieces are also summed over ``tp_group``, full copies counted once, and
+        replicas a rank does not own left out (every gradient is still clipped)."""
         device = self.units[0].shard.device  # the collective's device (a GPU with NCCL)
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        if grads:
-            local = torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum().to(device)
+        parts: list[list[torch.Tensor]] = [[], []]  # [owned tensor-parallel pieces, the rest]
+        grads = []
+        for u, pc, m in self.masters.entries:
+            if m.grad is None:
+                continue
+            grads.append(m.grad)
+            info = getattr(u.params[pc.param_index], "tp_shard", None) if tp_group is not None else None
+            if info is None or info.dim is None:
+                parts[1].append(m.grad)
+            elif info.owner:
+                parts[0].append(m.grad)
+        local = torch.zeros(2, dtype=torch.float32, device=device)
+        for i, part in enumerate(parts):
+            if part:
+                local[i] = torch.stack([n.float() for n in torch._foreach_norm(part)]).pow(2).sum().to(device)
         if self.world > 1:
             dist.all_reduce(local, group=self.group)
-        total = local.sqrt()
+        if tp_group is not None:
+            shards = local[:1].clone()
+            dist.all_reduce(shards, group=tp_group)
+            local[0] = shards[0]
+        total = local.sum().sqrt()
         if max_norm > 0 and grads:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].device))
