@@ -148,6 +148,10 @@ def compare_run(run_dir: Path, as_json: bool = False) -> int:
         print(f"{name:<40} {_fmt(p):>16} {_fmt(m):>16} {ratio:>14}")
     print("note: the trainer measures model states (mem_params/grads/master/optimizer/total_bytes), not yet "
           "activations or buffers; peak RSS also holds the interpreter, torch and the data.")
+    if meas.get("comm_backend_bytes") and "comm_sent_bytes" not in meas:
+        print(f"note: comm_sent_bytes is not measured: {_fmt(meas['comm_backend_bytes'])} bytes a step went to the "
+              "backend's own collectives, whose wire traffic is not visible; with --comm.algorithm ring every "
+              "byte on the wire is counted where it is sent.")
     return 0
 
 
