@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -158,9 +159,16 @@ def test_init_distributed_under_torchrun_survives_a_restart(tmp_path):
     """torchrun --max-restarts: the second attempt joins a fresh group despite the agent's old store keys."""
     script = tmp_path / "worker.py"
     script.write_text(_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
-           f"--master-port={free_port()}", "--monitor-interval=0.2", str(script), str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for attempt in range(3):  # gloo can abort a worker at teardown under load ("terminate called without an
+        # active exception", seen 1 in ~5 full-suite runs on 2 busy cores, never alone): retry, warn, still fail
+        # if it never works
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
+               f"--master-port={free_port()}", "--monitor-interval=0.2", str(script), str(tmp_path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode == 0 or "terminate called without an active exception" not in proc.stderr:
+            break
+        warnings.warn(f"torchrun restart test: gloo aborted a worker (try {attempt + 1} of 3)", stacklevel=1)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for r in range(2):
         assert (tmp_path / f"rank{r}.txt").read_text() == f"{r} 2 {r} cpu 1 3.0"
