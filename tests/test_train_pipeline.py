@@ -118,7 +118,8 @@ def test_bubble_metrics_and_timeline(tmp_path, cache_dir):
       "parallel.microbatches": 3, "train.global_batch": 6}, "not a multiple of parallel.pp=2"),
     ({"parallel.pp": 2, "parallel.microbatches": 3}, "not divisible"),
     ({"parallel.pp": 2, "parallel.pp_schedule": "naive", "parallel.microbatches": 4}, "pp_schedule='naive'"),
-    ({"parallel.pp": 2, "parallel.zero": 1}, "ZeRO inside a pipeline"),
+    ({"parallel.pp": 2, "parallel.zero": 2}, "so only ZeRO-1"),
+    ({"parallel.pp": 2, "parallel.zero": 1, "parallel.pp_schedule": "zb-h1"}, "bypass its hooks"),
     ({"parallel.pp": 2, "parallel.microbatches": 4, "train.grad_accum": 2}, "set only one of them"),
     ({"parallel.pp": 2, "parallel.pp_partition": "middle"}, "parallel.pp_partition='middle'"),
     ({"parallel.pp": 2, "parallel.pp_virtual": 2}, "needs pp_schedule='interleaved'"),
@@ -134,3 +135,17 @@ def test_default_microbatches():
     cfg = Config.load(overrides={"model.preset": "tiny", "model.n_layers": "4", "parallel.nproc": "4",
                                  "parallel.pp": "2", "train.global_batch": "16"}).resolve(tokenizer_vocab=256)
     assert (cfg.parallel.dp, cfg.parallel.microbatches, cfg.train.micro_batch) == (2, 8, 1)  # 4p divides 8
+
+
+def test_zero1_inside_a_pipeline_equals_one_process(tmp_path, cache_dir):
+    """pp 2 x dp 2 with ZeRO-1 (Megatron's distributed optimizer: each replica of a stage steps 1/dp of
+    its optimizer state after the flush, then gathers the parameters): the same model as one process;
+    stopped at step 6, its checkpoint (every replica writes its shard's slices under single-process
+    indices) resumes on plain data parallelism."""
+    layers = {"model.n_layers": 4}
+    ref = run(tmp_path, cache_dir, "ref", 1, **layers)
+    pp = {"parallel.pp": 2, "parallel.zero": 1, "parallel.microbatches": 4, "parallel.bucket_mb": 0.01}
+    assert_same_training(run(tmp_path, cache_dir, "pp2-z1", 4, **layers, **pp), ref, atol=1e-5)
+    run(tmp_path, cache_dir, "resumed", 4, stop_after=6, **layers, **pp, **{"ckpt.every": 3})
+    result = run(tmp_path, cache_dir, "resumed", 2, **layers, **{"ckpt.every": 3, "ckpt.resume": True})
+    assert_same_training(([*ref[0][:6], *result[0]], result[1]), ref, atol=1e-5)

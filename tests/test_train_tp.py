@@ -105,3 +105,12 @@ def test_zero_tp_checkpoint_resumes_on_plain_data_parallel(single_process, tmp_p
         **{"ckpt.every": 3, "parallel.tp": 2, "parallel.zero": 3})
     result = run(tmp_path, cache_dir, "resumed", 2, **{"ckpt.every": 3, "ckpt.resume": True})
     assert_same_training(([*single_process[0][:6], *result[0]], result[1]), single_process, atol=1e-5)
+
+
+def test_three_axes_with_zero1_equal_one_process(tmp_path, cache_dir):
+    """tp 2 x pp 2 x dp 2 with ZeRO-1 on 8 ranks: Megatron's 3-D layout with the distributed optimizer."""
+    layers = {"model.n_layers": 4}
+    ref = run(tmp_path, cache_dir, "ref", 1, **layers)
+    got = run(tmp_path, cache_dir, "tp2-pp2-dp2-z1", 8, **layers, **{"parallel.tp": 2, "parallel.pp": 2,
+                                                                     "parallel.zero": 1, "parallel.microbatches": 4})
+    assert_same_training(got, ref, atol=1e-5)

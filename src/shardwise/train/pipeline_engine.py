@@ -45,6 +45,8 @@ from shardwise.parallel.pipeline import (
     zb_h1_bubble,
 )
 from shardwise.parallel.pipeline.grad_sync import GradientSync
+from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
+from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces
 from shardwise.parallel.pipeline.timeline import Event
 from shardwise.train import memory as train_memory
 from shardwise.train.engines import load_model_state
@@ -81,10 +83,16 @@ class PipelineEngine:
         self.pipe = Pipeline(chunks, self.stage_ranks, p.pp_schedule, self.m, cfg.model.d_model,
                              device=device, forward_context=lambda: autocast_context(precision, device.type),
                              comm_stats=self.ledger["pp"])
-        self.sync = GradientSync(self.pipe.parameters(), self.group, p.bucket_mb,
-                                 gradient_all_reduce(cfg.comm, self.ledger["dp"]))
-        self.all_reduce_fn = self.sync.all_reduce_fn
-        self.optimizer = build_optimizer(self.module, cfg.train, self._named_parameters())
+        self.zero = None
+        if p.zero:  # ZeRO-1 over the stage's data-parallel replicas (Megatron's distributed optimizer)
+            (chunk,) = chunks
+            self.zero = ZeroDataParallel(chunk, group=self.group, stage=1, bucket_mb=p.bucket_mb,
+                                         comm_stats=self.ledger["dp"])
+            self.optimizer = ZeroOptimizer(self.zero, build_optimizer(self.module, cfg.train, self._named_parameters()))
+        else:
+            self.sync = GradientSync(self.pipe.parameters(), self.group, p.bucket_mb,
+                                     gradient_all_reduce(cfg.comm, self.ledger["dp"]))
+            self.optimizer = build_optimizer(self.module, cfg.train, self._named_parameters())
         with torch.device("meta"):  # the single-process optimizer's (decayed, undecayed) names: its index order
             self.reference_groups = decay_groups(Transformer(cfg.model).named_parameters())[:2]
         self.timelines: list[Timeline] = []
@@ -106,8 +114,13 @@ class PipelineEngine:
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
         self.pipe.loss_scale = scaler.scale if scaler else 1.0
-        loss = self.pipe.step(x, y)
-        self.sync()
+        if self.zero is not None:  # gradients accumulate over the schedule, then one reduce-scatter each
+            with self.zero.no_sync():
+                loss = self.pipe.step(x, y)
+            self.zero.reduce_gradients()
+        else:
+            loss = self.pipe.step(x, y)
+            self.sync()
         self.timelines = gather_timelines(self.pipe.timeline, self.pp_group)
         return self._from_last_stage(loss)
 
@@ -117,6 +130,11 @@ class PipelineEngine:
         return out
 
     def unscale_and_clip(self, scaler: DynamicLossScaler | None, max_norm: float) -> tuple[bool, float]:
+        if self.zero is not None:  # the reduced gradients live in this rank's master slices
+            found_inf = scaler.unscale_(self.optimizer.master_params(), group=dist.group.WORLD) if scaler else False
+            tied = self.pipe.chunks[0].tied_weight  # counted by the first stage only
+            skip = frozenset({id(tied)}) if tied is not None and self.pipe.stage(0) != 0 else frozenset()
+            return found_inf, self.zero.clip_grad_norm_(max_norm, self.tp_group, self.pp_group, skip)
         found_inf = scaler.unscale_(self.pipe.parameters(), group=dist.group.WORLD) if scaler else False
         if max_norm > 0:
             return found_inf, float(clip_grad_norm(self.pipe, max_norm, self.pp_group, self.tp_group))
@@ -162,7 +180,7 @@ class PipelineEngine:
         tmp.replace(Path(run_dir) / "timeline.json")
 
     def memory_bytes(self) -> dict[str, int]:
-        return train_memory.model_state_bytes(self, self.optimizer)
+        return train_memory.model_state_bytes(self.zero if self.zero is not None else self, self.optimizer)
 
     # ---- layout-free checkpoints -----------------------------------------------------------------
 
@@ -175,11 +193,14 @@ class PipelineEngine:
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             groups = [dict(hyper[0], params=list(range(len(decay)))),
                       dict(hyper[1], params=list(range(len(decay), len(decay) + len(no_decay))))]
-        if self.mesh.dp_rank != 0:
-            return [], groups
         decay, no_decay = self.reference_groups
         ref_index = {n: i for i, n in enumerate(decay + no_decay)}
         local_names = optimizer_param_names(self._named_parameters())
+        if self.zero is not None:  # every replica writes the slices of its shard, under single-process indices
+            return zero_checkpoint_pieces(self.zero, self.optimizer, with_buffers=self.mesh.dp_rank == 0,
+                                          ref_map=lambda i: ref_index[local_names[i]]), groups
+        if self.mesh.dp_rank != 0:
+            return [], groups
         opt = self.optimizer.state_dict()["state"]
         if self.tp_size > 1:  # this tensor-parallel rank's rows of its stages' tensors
             local = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -194,6 +215,9 @@ class PipelineEngine:
 
     def load_state(self, model_state: Mapping, optimizer_state: dict) -> None:
         """Take this rank's layers (and their optimizer state) from the single-process state."""
+        if self.zero is not None:
+            self._load_zero(model_state, optimizer_state)
+            return
         for chunk in self.pipe.chunks:
             if self.tp_size > 1:
                 tp_state.load_model(chunk, model_state)
@@ -211,6 +235,24 @@ class PipelineEngine:
         groups = [dict({k: v for k, v in saved_g.items() if k != "params"}, params=live_g["params"])
                   for saved_g, live_g in zip(optimizer_state["param_groups"], live_groups, strict=True)]
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def _load_zero(self, model_state: Mapping, optimizer_state: dict) -> None:
+        """ZeRO-1 stage: the stage's tensors (cut to this tensor-parallel rank's rows) into the shards, and
+        the optimizer state of its parameters, re-indexed from the single-process optimizer's order."""
+        (chunk,) = self.pipe.chunks
+        own = {k: model_state[k] for k in chunk.state_dict()}
+        if self.tp_size > 1:
+            own = tp_state.LocalView(own, dict(chunk.named_parameters(remove_duplicate=False)).get)
+        load_model_state(self.zero, own)
+        decay, no_decay = self.reference_groups
+        ref_index = {n: i for i, n in enumerate(decay + no_decay)}
+        saved = {int(k): v for k, v in optimizer_state["state"].items()}
+        local_names = optimizer_param_names(self._named_parameters())
+        local = [p for g in self.optimizer.reference_groups for p in g]
+        state = {i: saved[ref_index[n]] for i, n in enumerate(local_names) if ref_index[n] in saved}
+        if self.tp_size > 1:
+            state = {i: tp_state.LocalView(st, lambda _k, p=local[i]: p) for i, st in state.items()}
+        self.optimizer.load_state_dict({"state": state, "param_groups": optimizer_state["param_groups"]})
 
     def final_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on global rank 0 (every stage sends its layers; for tests and tools)."""

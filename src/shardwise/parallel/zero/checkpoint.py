@@ -18,9 +18,11 @@ import torch
 from shardwise.train.sharded import Piece, whole
 
 
-def zero_checkpoint_pieces(engine, optimizer, with_buffers: bool) -> list[Piece]:
+def zero_checkpoint_pieces(engine, optimizer, with_buffers: bool, ref_map=None) -> list[Piece]:
     """This rank's pieces of the model and optimizer state (``engine``: ZeroDataParallel,
-    ``optimizer``: its ZeroOptimizer); ``with_buffers`` adds the non-parameter tensors (one rank)."""
+    ``optimizer``: its ZeroOptimizer); ``with_buffers`` adds the non-parameter tensors (one rank);
+    ``ref_map`` turns the optimizer's own parameter index into the single-process optimizer's (a
+    pipeline stage holds only some parameters)."""
     live = engine.module.state_dict(keep_vars=True)
     names: dict[int, list[str]] = {}
     for name, t in live.items():
@@ -41,7 +43,8 @@ def zero_checkpoint_pieces(engine, optimizer, with_buffers: bool) -> list[Piece]
                 for key, v in state.get(m, {}).items():
                     if not isinstance(v, torch.Tensor):
                         continue
-                    target = f"optim/{ref_of[id(p)]}/{key}"
+                    ref = ref_of[id(p)] if ref_map is None else ref_map(ref_of[id(p)])
+                    target = f"optim/{ref}/{key}"
                     if v.dim() > 0:
                         pieces += _range(target, v.detach().reshape(-1).cpu().clone(), pc.start, p)
                     else:

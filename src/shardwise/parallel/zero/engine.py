@@ -283,13 +283,16 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         self.masters.zero_grad()
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, tp_group: dist.ProcessGroup | None = None) -> float:
+    def clip_grad_norm_(self, max_norm: float, tp_group: dist.ProcessGroup | None = None,
+                        pp_group: dist.ProcessGroup | None = None, skip: frozenset[int] = frozenset()) -> float:
         """Global L2 norm of the gradient over all shards (sum of squares all-reduced), clipped
         to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` would on the full gradient.
 
         With ``tp_group`` the module's parameters are tensor-parallel pieces (``p.tp_shard``): the
         squares of owned pieces are also summed over ``tp_group``, full copies counted once, and
-        replicas a rank does not own left out (every gradient is still clipped)."""
+        replicas a rank does not own left out (every gradient is still clipped). With ``pp_group`` (the
+        wrapper holds one pipeline stage) the sum also runs over the stages; parameters whose ``id`` is in
+        ``skip`` (a tied copy another stage counts) are clipped but not counted."""
         device = self.units[0].shard.device  # the collective's device (a GPU with NCCL)
         parts: list[list[torch.Tensor]] = [[], []]  # [owned tensor-parallel pieces, the rest]
         grads = []
@@ -297,6 +300,8 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             if m.grad is None:
                 continue
             grads.append(m.grad)
+            if id(u.params[pc.param_index]) in skip:
+                continue
             info = getattr(u.params[pc.param_index], "tp_shard", None) if tp_group is not None else None
             if info is None or info.dim is None:
                 parts[1].append(m.grad)
@@ -312,7 +317,10 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             shards = local[:1].clone()
             dist.all_reduce(shards, group=tp_group)
             local[0] = shards[0]
-        total = local.sum().sqrt()
+        total = local.sum().reshape(1)
+        if pp_group is not None:
+            dist.all_reduce(total, group=pp_group)
+        total = total[0].sqrt()
         if max_norm > 0 and grads:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].device))

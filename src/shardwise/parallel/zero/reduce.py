@@ -150,6 +150,20 @@ class GradReduction:
         finally:
             self._reset()
 
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce every unit's accumulated gradients now and hand the masters their slices: for a caller
+        whose backward passes all ran under ``no_sync`` -- a pipeline schedule, whose micro-batches'
+        backward passes interleave with other stages' work, so no single pass is "the last" (Narayanan
+        et al. 2021 §3: the data-parallel reduction follows the pipeline flush)."""
+        self._reset()
+        while self._next < len(self._order):
+            self._reduce(self._order[self._next])
+        self._drain(keep=0)
+        self._agree_on_grads()
+        self.masters.set_grads(self.units)
+        self._reset()
+
     def _agree_on_grads(self) -> None:
         """Give every unit ``had_grad``: per parameter, whether any rank produced a gradient."""
         flags = torch.tensor(list(self._had_grad), dtype=torch.uint8, device=self.units[0].shard.device)
