@@ -41,25 +41,29 @@ def test_llama_gqa_at_tp4_equals_one_process(tmp_path, cache_dir):
     assert_same_training(tp, ref, atol=1e-5)
 
 
-def test_tp_bytes_are_counted_where_sent(tmp_path, cache_dir):
-    """tp_sent_bytes per step (measured by the counting layer) equals Megatron's 4 all-reduces of
-    b*s*h per layer per micro-batch, plus the embedding's g and the head's f (one each way) and the
-    loss's 3 all-reduces of one value per token (Shoeybi et al. 2019 §3)."""
-    run(tmp_path, cache_dir, "tp2b", 2, **{"parallel.tp": 2, "train.steps": 2})
-    rows = [json.loads(x) for x in (tmp_path / "tp2b" / "metrics.jsonl").read_text().splitlines()]
-    step = next(r for r in rows if r.get("step") == 2)
+@pytest.mark.parametrize("name,nproc,overrides", [
+    ("tp2", 2, {"parallel.tp": 2}),
+    ("tp2-sp", 2, {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+    ("llama-tp4", 4, {"parallel.tp": 4, "model.preset": "tiny-llama"}),
+])
+def test_tp_bytes_are_counted_where_sent(tmp_path, cache_dir, name, nproc, overrides):
+    """tp_sent_bytes per step, measured by the counting layer where each collective is called, equals
+    the planner's prediction (plan --compare): Megatron's 4 all-reduces of b*s*h per layer per
+    micro-batch (Shoeybi et al. 2019 §3) -- with sequence parallelism an all-gather and a reduce-scatter
+    in place of each -- plus the embedding's g and the head's f and the loss's 3 all-reduces of one value
+    per token, and the gradient all-reduces of the parameters tensor parallelism leaves partial (with
+    SP the norms, row-parallel biases and position table; with tp > n_kv_heads the replicated k/v)."""
     from shardwise.config import Config
-
-    cfg = Config.load(tmp_path / "tp2b" / "config.toml")
-    tokens = cfg.train.global_batch * cfg.data.seq_len  # one replica (dp 1) holds the whole batch
-    act = tokens * cfg.model.d_model * 4
-    expected = (4 * cfg.model.n_layers + 2) * act + 3 * tokens * 4
-    assert step["tp_sent_bytes"] == expected
-    assert step["comm_bytes"] == step["tp_sent_bytes"]  # dp 1: nothing else is sent
     from shardwise.plan.compare import measured_for_run, predicted_for_run
 
-    pred, meas = predicted_for_run(cfg), measured_for_run(tmp_path / "tp2b")
-    assert pred["tp_sent_bytes"] == meas["tp_sent_bytes"] and pred["comm_bytes"] == meas["comm_bytes"]
+    run(tmp_path, cache_dir, name, nproc, **{"train.steps": 2, **overrides})
+    cfg = Config.load(tmp_path / name / "config.toml")
+    pred, meas = predicted_for_run(cfg), measured_for_run(tmp_path / name)
+    assert pred["tp_sent_bytes"] == meas["tp_sent_bytes"], (pred["tp_sent_bytes"], meas["tp_sent_bytes"])
+    assert meas["comm_bytes"] == meas["tp_sent_bytes"] == pred["comm_bytes"]  # dp 1: nothing else is sent
+    if name == "tp2":  # spelled out once: (4 L + 2) activations of b*s*h fp32, and the loss's three
+        tokens = cfg.train.global_batch * cfg.data.seq_len
+        assert meas["tp_sent_bytes"] == (4 * cfg.model.n_layers + 2) * tokens * cfg.model.d_model * 4 + 3 * tokens * 4
 
 
 TP2_PP2 = {"parallel.tp": 2, "parallel.pp": 2, "parallel.microbatches": 4}

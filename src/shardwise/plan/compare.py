@@ -66,7 +66,7 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     items = [c for c in comm_items(m, lay, s, states, cluster, act_bytes, units, dp_flags=flags)
              if c.technique != "pipeline"]
     p2p = pipeline_sent_bytes(m, lay, s)
-    tp = tensor_parallel_bytes(items, lay, s, m.d_model, act_bytes)
+    tp = tensor_parallel_bytes(items, lay, s, m.d_model, act_bytes) + tp_grad_sync_bytes(m, lay)
     out = {"parameters": float(count_params(m).total), "flops_per_token": flops_per_token(m, s),
            "tp_sent_bytes": tp, "comm_bytes": sum(c.total_payload for c in items if not
                                                   c.technique.startswith("tensor parallel")) + tp + p2p,
@@ -85,14 +85,35 @@ def tensor_parallel_bytes(items, lay: Layout, s: int, d_model: int, act_bytes: i
     planner's four per layer and micro-batch (Shoeybi et al. 2019 §3), plus the vocabulary-parallel
     embedding's exit and the head's entry (one each way; with sequence parallelism a reduce-scatter and
     an all-gather each) and the vocabulary-parallel loss's three all-reduces of one fp32 value per token.
-    With sequence parallelism the per-parameter gradient all-reduces of the replicated norms and biases
-    are not included."""
+    The parameters' gradient all-reduces are :func:`tp_grad_sync_bytes`."""
     if lay.tp == 1:
         return 0.0
     tokens = lay.micro_batch * s
     per_micro = (2 if lay.sequence_parallel else 1) * 2 * tokens * d_model * act_bytes + 3 * tokens * 4
     return sum(c.total_payload for c in items if c.technique.startswith("tensor parallel")) + \
         per_micro * lay.grad_accum
+
+
+def tp_grad_sync_bytes(m, lay: Layout) -> float:
+    """Bytes of the gradient all-reduces tensor parallelism adds per step, one per parameter and backward
+    pass (micro-batch), fp32: with sequence parallelism every parameter the plan leaves whole (norms,
+    row-parallel biases, the position table) has a partial gradient summed over tp (Korthikanti et al.
+    2022 §4.2.2); where tp > n_kv_heads the replicated key/value projections' gradients are summed at their
+    full size. Which modules are split is the plan's table (:data:`shardwise.parallel.plan.PLANS`)."""
+    from shardwise.parallel.plan import PLANS, _style
+
+    if lay.tp == 1:
+        return 0.0
+    plan = PLANS[m.flavor]
+    split = {"vocab_embedding", "colwise", "colwise_kv", "vocab_head"}
+    total = 0
+    for p in model_params(m):
+        module, _, kind = p.name.rpartition(".")
+        style = _style(plan, module)
+        whole = style not in split and not (style == "rowwise" and kind == "weight")
+        if (whole and lay.sequence_parallel) or (style == "colwise_kv" and lay.tp > m.n_kv_heads):
+            total += p.numel * 4
+    return float(total * lay.grad_accum)
 
 
 def measured_for_run(run_dir: Path) -> dict[str, float]:
