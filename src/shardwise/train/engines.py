@@ -41,6 +41,7 @@ from shardwise.train import memory as train_memory
 from shardwise.train.checkpoint import CheckpointError
 from shardwise.train.optim import build_optimizer
 from shardwise.train.precision import DynamicLossScaler, autocast_context
+from shardwise.parallel.grad_norm import clip_grad_norm, parameter_pieces
 from shardwise.parallel.parallelize import parallelize
 from shardwise.train import tp_state
 from shardwise.train.sharded import Piece, materialized_optimizer_state, state_pieces
@@ -58,16 +59,6 @@ def load_model_state(module: torch.nn.Module, state: Mapping, strict_subset: boo
     missing, unexpected = module.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"checkpoint model does not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
-
-
-def clip_local_grads(params, max_norm: float) -> float:
-    """Global L2 norm of gradients every rank holds in full (already averaged), clipped to ``max_norm``."""
-    params = [p for p in params if p.grad is not None]
-    if not params:
-        return 0.0
-    if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
-    return float(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
 
 
 class DataParallelEngine:
@@ -120,12 +111,10 @@ class DataParallelEngine:
         return loss_sum / len(batches)
 
     def unscale_and_clip(self, scaler: DynamicLossScaler | None, max_norm: float) -> tuple[bool, float]:
-        if self.tp_size == 1:
-            found_inf = scaler.unscale_(self.module.parameters()) if scaler else False
-            return found_inf, clip_local_grads(self.module.parameters(), max_norm)
-        tp_group = self.mesh.group("tp")  # each rank holds other pieces: agree on overflow, norm over all
+        tp_group = self.mesh.group("tp") if self.tp_size > 1 else None  # other pieces: agree, norm over all
         found_inf = scaler.unscale_(self.module.parameters(), group=tp_group) if scaler else False
-        return found_inf, tp_state.clip_grad_norm(self.module.parameters(), max_norm, tp_group)
+        return found_inf, clip_grad_norm(parameter_pieces(self.module.parameters()), max_norm, tp_group=tp_group,
+                                         device=self.device)
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, precision: str) -> torch.Tensor:
         with autocast_context(precision, self.device.type):

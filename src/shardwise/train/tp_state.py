@@ -9,9 +9,7 @@ it holds, and whether this rank is the *owner* among the ranks holding the same 
   piece for a split along dim 0; one per leading index for a split along a later dim);
 * loading takes this rank's rows of each full tensor (``TPShard.take``), padding included, so a tensor-
   parallel run resumes from any layout's checkpoint and the other way round;
-* the global gradient norm counts each element of the single-process gradient once: the squares of
-  owned shards are summed over the tensor-parallel group, full copies counted locally (they are equal
-  on every rank), non-owner replicas left out (the "ShardedInfo" idea of nanotron).
+* the global gradient norm reads the same metadata (:mod:`shardwise.parallel.grad_norm`).
 """
 
 from __future__ import annotations
@@ -141,35 +139,6 @@ def gather_full_state(modules: nn.Module | list[nn.Module], tp_rank: int, active
             full[name] = t
     shapes = {p[0].removeprefix("model/"): p[3] for rp in (out or []) for p in rp}
     return {k: v.view(shapes[k]) for k, v in full.items()}
-
-
-@torch.no_grad()
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group) -> float:
-    """Global L2 norm of the single-process gradient whose pieces ``params`` hold over ``tp_group``,
-    clipped to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` would clip the whole gradient."""
-    params = [p for p in dict.fromkeys(params) if p.grad is not None]
-    if not params:
-        return 0.0
-    shards, copies = [], []
-    for p in params:
-        info = shard_info(p)
-        if info is None or info.dim is None:
-            copies.append(p.grad)
-        elif info.owner:
-            shards.append(p.grad[info.local_index()])
-    device = params[0].grad.device
-    sq = torch.zeros(2, dtype=torch.float32, device=device)
-    if shards:
-        sq[0] = torch.stack([n.float() for n in torch._foreach_norm(shards)]).pow(2).sum()
-    if copies:
-        sq[1] = torch.stack([n.float() for n in torch._foreach_norm(copies)]).pow(2).sum()
-    shard_sq = sq[:1].clone()
-    dist.all_reduce(shard_sq, group=tp_group)
-    total = (shard_sq[0] + sq[1]).sqrt()
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_([p.grad for p in params], coef)
-    return float(total)
 
 
 def local_range_pieces(key: str, values: torch.Tensor, local_start: int, local_shape: tuple[int, ...],

@@ -12,7 +12,7 @@ Typical use on each rank of a pipeline (``stage_ranks`` = ``mesh.ranks("pp")``):
     loss = pipe.step(tokens, targets)                # grads accumulated; loss on the last stage only
 """
 
-from shardwise.parallel.pipeline.clip import clip_grad_norm, global_grad_norm, local_grad_sq
+from shardwise.parallel.pipeline.clip import clip_grad_norm, global_grad_norm
 from shardwise.parallel.pipeline.executor import Pipeline, split_microbatches
 from shardwise.parallel.pipeline.partition import (
     StageModule,
@@ -60,7 +60,7 @@ def check_pipeline(n_layers: int, pp: int, schedule: str, microbatches: int, glo
 __all__ = [
     "SCHEDULES", "Action", "Event", "Pipeline", "StageModule", "Timeline", "WeightGradStore", "balanced_split",
     "bubble_fraction", "build_schedule", "build_stage", "check_pipeline", "check_schedule", "chrome_trace",
-    "clip_grad_norm", "compute_order", "defer_linear_weight_grads", "global_grad_norm", "local_grad_sq",
+    "clip_grad_norm", "compute_order", "defer_linear_weight_grads", "global_grad_norm",
     "even_split", "gather_timelines", "layer_costs", "manual_split", "partition", "peak_live", "plot_gantt",
     "simulate", "split_microbatches", "theoretical_bubble", "write_chrome_trace", "zb_h1_bubble",
 ]

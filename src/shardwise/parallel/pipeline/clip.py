@@ -15,49 +15,34 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardwise.parallel.grad_norm import clip_grad_norm as norm_and_clip
+from shardwise.parallel.grad_norm import parameter_pieces
 from shardwise.parallel.pipeline.executor import Pipeline
 
 
-def local_grad_sq(pipe: Pipeline) -> torch.Tensor:
-    """fp32 sums of squared gradients of the parameters this rank counts (tied copies once): ``[owned
-    tensor-parallel pieces, everything else]``."""
-    total = torch.zeros(2, dtype=torch.float32)
-    seen: set[int] = set()
-    for chunk in pipe.chunks:
+def _pieces(pipe: Pipeline) -> tuple[list, frozenset[int]]:
+    """Every ``(grad, param)`` of the rank's stages, and the tied copy it must not count (the first stage
+    counts the table tied to the head)."""
+    pieces, skip = [], set()
+    for i, chunk in enumerate(pipe.chunks):
         tied = getattr(chunk, "tied_weight", None)
-        skip = tied is not None and pipe.stage(pipe.chunks.index(chunk)) != 0
-        for p in chunk.parameters():
-            if p.grad is None or id(p) in seen or (skip and p is tied):
-                continue
-            seen.add(id(p))
-            info = getattr(p, "tp_shard", None)
-            if info is None or info.dim is None:
-                total[1] += p.grad.detach().float().pow(2).sum().cpu()
-            elif info.owner:
-                total[0] += p.grad.detach()[info.local_index()].float().pow(2).sum().cpu()
-    return total
+        if tied is not None and pipe.stage(i) != 0:
+            skip.add(id(tied))
+        pieces += parameter_pieces(chunk.parameters())
+    return list({id(p): (g, p) for g, p in pieces}.values()), frozenset(skip)
 
 
 def global_grad_norm(pipe: Pipeline, group: dist.ProcessGroup | None = None, tp_group=None) -> torch.Tensor:
     """The L2 norm of every gradient of the model, over the pipeline ``group`` (``Mesh.group("pp")``) and,
     with tensor-parallel stages, their ``tp_group``."""
-    sq = local_grad_sq(pipe)
-    if tp_group is not None:
-        shards = sq[:1].clone()
-        dist.all_reduce(shards, group=tp_group)
-        sq[0] = shards[0]
-    sq = sq.sum().reshape(1)
-    dist.all_reduce(sq, group=group)
-    return sq[0].sqrt()
+    pieces, skip = _pieces(pipe)
+    return torch.tensor(norm_and_clip(pieces, 0.0, tp_group=tp_group, pp_group=group or dist.group.WORLD, skip=skip))
 
 
 def clip_grad_norm(pipe: Pipeline, max_norm: float, group: dist.ProcessGroup | None = None,
                    tp_group=None) -> torch.Tensor:
     """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` (as ``torch.nn.utils.clip_grad_norm_``);
     returns the norm before clipping."""
-    norm = global_grad_norm(pipe, group, tp_group)
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in pipe.parameters():
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
-    return norm
+    pieces, skip = _pieces(pipe)
+    return torch.tensor(norm_and_clip(pieces, max_norm, tp_group=tp_group, pp_group=group or dist.group.WORLD,
+                                      skip=skip))

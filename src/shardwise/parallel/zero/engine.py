@@ -62,6 +62,7 @@ from torch import nn
 
 from shardwise.dist.comm.counting import CommStats, nbytes
 from shardwise.parallel.data import _assign_buckets
+from shardwise.parallel.grad_norm import clip_grad_norm
 from shardwise.parallel.zero import exchange
 from shardwise.parallel.zero.flat import FlatUnit
 from shardwise.parallel.zero.hpz import NodePartition, node_groups
@@ -282,49 +283,17 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         self._had_grad = bytearray(len(self._had_grad))
         self.masters.zero_grad()
 
-    @torch.no_grad()
+    def grad_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """``(gradient slice, its parameter)`` for every master piece with a gradient this step."""
+        return [(m.grad, u.params[pc.param_index]) for u, pc, m in self.masters.entries if m.grad is not None]
+
     def clip_grad_norm_(self, max_norm: float, tp_group: dist.ProcessGroup | None = None,
                         pp_group: dist.ProcessGroup | None = None, skip: frozenset[int] = frozenset()) -> float:
-        """Global L2 norm of the gradient over all shards (sum of squares all-reduced), clipped
-        to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` would on the full gradient.
-
-        With ``tp_group`` the module's parameters are tensor-parallel pieces (``p.tp_shard``): the
-        squares of owned pieces are also summed over ``tp_group``, full copies counted once, and
-        replicas a rank does not own left out (every gradient is still clipped). With ``pp_group`` (the
-        wrapper holds one pipeline stage) the sum also runs over the stages; parameters whose ``id`` is in
-        ``skip`` (a tied copy another stage counts) are clipped but not counted."""
-        device = self.units[0].shard.device  # the collective's device (a GPU with NCCL)
-        parts: list[list[torch.Tensor]] = [[], []]  # [owned tensor-parallel pieces, the rest]
-        grads = []
-        for u, pc, m in self.masters.entries:
-            if m.grad is None:
-                continue
-            grads.append(m.grad)
-            if id(u.params[pc.param_index]) in skip:
-                continue
-            info = getattr(u.params[pc.param_index], "tp_shard", None) if tp_group is not None else None
-            if info is None or info.dim is None:
-                parts[1].append(m.grad)
-            elif info.owner:
-                parts[0].append(m.grad)
-        local = torch.zeros(2, dtype=torch.float32, device=device)
-        for i, part in enumerate(parts):
-            if part:
-                local[i] = torch.stack([n.float() for n in torch._foreach_norm(part)]).pow(2).sum().to(device)
-        if self.world > 1:
-            dist.all_reduce(local, group=self.group)
-        if tp_group is not None:
-            shards = local[:1].clone()
-            dist.all_reduce(shards, group=tp_group)
-            local[0] = shards[0]
-        total = local.sum().reshape(1)
-        if pp_group is not None:
-            dist.all_reduce(total, group=pp_group)
-        total = total[0].sqrt()
-        if max_norm > 0 and grads:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-        return float(total)
+        """Global L2 norm of the gradient over all shards (and, when given, over the tensor-parallel and
+        pipeline groups; ``skip``: parameters another stage counts), clipped to ``max_norm`` as
+        ``torch.nn.utils.clip_grad_norm_`` would on the full gradient (:mod:`shardwise.parallel.grad_norm`)."""
+        return clip_grad_norm(self.grad_pieces(), max_norm, tp_group=tp_group, shard_group=self.group or dist.group.WORLD,
+                              pp_group=pp_group, skip=skip, device=self.units[0].shard.device)
 
     @torch.no_grad()
     def after_step(self) -> None:

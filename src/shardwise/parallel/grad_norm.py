@@ -1,0 +1,73 @@
+"""One global gradient norm and clip for every layout, from what each gradient piece is.
+
+The norm is that of the single-process gradient (Pascanu et al. 2013, "On the difficulty of training
+recurrent neural networks", §3.2; as ``torch.nn.utils.clip_grad_norm_`` computes it), however the layout
+spreads it. Each piece a rank holds is counted exactly once, from its parameter's metadata and the
+groups the caller names (Megatron-LM's ``clip_grad_norm`` does the same over its model-parallel group;
+nanotron keys it on each parameter's ShardedInfo):
+
+* a tensor-parallel split (``p.tp_shard.dim`` set, :mod:`shardwise.parallel.tensor`): its squares are
+  summed over ``tp_group``; a rank that holds a replica it does not own leaves it out;
+* a full copy on every tensor-parallel rank (``dim`` None, or no tensor parallelism): counted locally;
+* a ZeRO shard's slice: summed over ``shard_group`` (the data-parallel group the shards split);
+* a pipeline stage's: summed over ``pp_group``; a weight tied between two stages is counted by one
+  (its ``id`` in ``skip`` on the other).
+
+Data-parallel replicas hold equal, already averaged gradients: they are not summed over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@torch.no_grad()
+def clip_grad_norm(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]], max_norm: float, *,
+                   tp_group: dist.ProcessGroup | None = None, shard_group: dist.ProcessGroup | None = None,
+                   pp_group: dist.ProcessGroup | None = None, skip: frozenset[int] = frozenset(),
+                   device: torch.device | None = None) -> float:
+    """The global L2 norm of the gradient whose ``(gradient piece, its parameter)`` pairs this rank holds;
+    with ``max_norm > 0`` every piece is scaled by ``min(1, max_norm / (norm + 1e-6))``. A collective over
+    the groups given (every rank of them must call it); a group left ``None`` is not reduced over (pass
+    ``dist.group.WORLD`` for the default group). ``device``: where the reductions run when this rank holds
+    no piece."""
+    pieces = [(g, p) for g, p in pieces if g is not None]
+    parts: list[list[torch.Tensor]] = [[], []]  # [tensor-parallel splits, everything else]
+    for g, p in pieces:
+        if id(p) in skip:
+            continue
+        info = getattr(p, "tp_shard", None) if tp_group is not None else None
+        if info is None or info.dim is None:
+            parts[1].append(g)
+        elif info.owner:  # a whole local tensor: its real rows; a ZeRO slice of one: all of it (padding is 0)
+            parts[0].append(g[info.local_index()] if g.shape == p.shape else g)
+    if device is None:
+        device = pieces[0][0].device if pieces else torch.device("cpu")
+    sq = torch.zeros(2, dtype=torch.float32, device=device)
+    for i, part in enumerate(parts):
+        if part:
+            sq[i] = torch.stack([n.float() for n in torch._foreach_norm(part)]).pow(2).sum().to(device)
+    if shard_group is not None and dist.get_world_size(shard_group) > 1:
+        dist.all_reduce(sq, group=shard_group)
+    if tp_group is not None:
+        splits = sq[:1].clone()
+        dist.all_reduce(splits, group=tp_group)
+        sq[0] = splits[0]
+    total = sq.sum().reshape(1)
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    norm = total[0].sqrt()
+    grads = [g for g, _ in pieces]
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return float(norm)
+
+
+def parameter_pieces(params: Iterable[nn.Parameter]) -> list[tuple[torch.Tensor, nn.Parameter]]:
+    """``(p.grad, p)`` for each distinct parameter with a gradient."""
+    return [(p.grad, p) for p in dict.fromkeys(params) if p.grad is not None]
