@@ -20,3 +20,9 @@ def _harness_pools():
     from tests.harness import shutdown_pools
 
     shutdown_pools()
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One token cache for every trainer test of the session (the corpus is tokenized once)."""
+    return tmp_path_factory.mktemp("token-cache")

@@ -18,10 +18,6 @@ from tests.test_train import run
 TINY = {"train.steps": 2, "ckpt.every": 2}
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("token-cache")
-
 
 def _checkpoint(run_dir: Path) -> Path:
     (path,) = list_checkpoints(run_dir / "checkpoints")

@@ -17,11 +17,6 @@ from shardwise.train.checkpoint import list_checkpoints
 from tests.harness import run_on_ranks
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("token-cache")
-
-
 def make_config(run_dir: Path, cache_dir: Path, nproc: int, **overrides) -> Config:
     base = {
         "model.preset": "tiny",

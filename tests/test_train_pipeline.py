@@ -10,7 +10,6 @@ layout-free checkpoint resumes on plain data parallelism.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,10 +19,6 @@ from tests.test_train import assert_same_training, run
 
 LAYERS = {"model.n_layers": 4, "train.steps": 6}
 
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("token-cache")
 
 
 @pytest.fixture(scope="module")

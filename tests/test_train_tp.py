@@ -8,12 +8,9 @@ additions).
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
-from tests.test_train import assert_same_training, cache_dir, run  # noqa: F401 - the shared token cache fixture
+from tests.test_train import assert_same_training, run
 
 
 @pytest.fixture(scope="module")

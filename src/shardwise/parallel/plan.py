@@ -143,7 +143,8 @@ def _canonical(path: str) -> str:
     return ".".join(p for p in path.split(".") if not p.startswith("_"))
 
 
-def _style(plan: dict[str, str], path: str) -> str | None:
+def style_of(plan: dict[str, str], path: str) -> str | None:
+    """The style ``plan`` gives the module at ``path`` (its first matching pattern), or None."""
     path = _canonical(path)
     for pattern, style in plan.items():
         if fnmatchcase(path, pattern):
@@ -190,7 +191,7 @@ def apply_tensor_parallel(
     emb: VocabParallelEmbedding | None = None
     head: ColumnParallelLinear | None = None
     for path, module in list(model.named_modules()):
-        style = _style(plan, path) if path else None
+        style = style_of(plan, path) if path else None
         if style is None or style == "replicate":
             continue
         if style == "vocab_embedding":

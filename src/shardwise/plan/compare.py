@@ -100,7 +100,7 @@ def tp_grad_sync_bytes(m, lay: Layout) -> float:
     row-parallel biases, the position table) has a partial gradient summed over tp (Korthikanti et al.
     2022 §4.2.2); where tp > n_kv_heads the replicated key/value projections' gradients are summed at their
     full size. Which modules are split is the plan's table (:data:`shardwise.parallel.plan.PLANS`)."""
-    from shardwise.parallel.plan import PLANS, _style
+    from shardwise.parallel.plan import PLANS, style_of
 
     if lay.tp == 1:
         return 0.0
@@ -109,7 +109,7 @@ def tp_grad_sync_bytes(m, lay: Layout) -> float:
     total = 0
     for p in model_params(m):
         module, _, kind = p.name.rpartition(".")
-        style = _style(plan, module)
+        style = style_of(plan, module)
         whole = style not in split and not (style == "rowwise" and kind == "weight")
         if (whole and lay.sequence_parallel) or (style == "colwise_kv" and lay.tp > m.n_kv_heads):
             total += p.numel * 4

@@ -34,17 +34,17 @@ from shardwise.dist.mesh import Mesh
 from shardwise.model import Transformer
 from shardwise.model.transformer import initial_value
 from shardwise.parallel.data import DataParallel
+from shardwise.parallel.grad_norm import clip_grad_norm, parameter_pieces
+from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces, zero_param_groups
 from shardwise.parallel.zero.meta import materialize_buffers
 from shardwise.train import memory as train_memory
+from shardwise.train import tp_state
 from shardwise.train.checkpoint import CheckpointError
 from shardwise.train.optim import build_optimizer
 from shardwise.train.precision import DynamicLossScaler, autocast_context
-from shardwise.parallel.grad_norm import clip_grad_norm, parameter_pieces
-from shardwise.parallel.parallelize import parallelize
-from shardwise.train import tp_state
-from shardwise.train.sharded import Piece, materialized_optimizer_state, state_pieces
+from shardwise.train.sharded import Piece, materialized_optimizer_state
 
 
 def load_model_state(module: torch.nn.Module, state: Mapping, strict_subset: bool = False) -> None:
@@ -135,32 +135,24 @@ class DataParallelEngine:
 
     def checkpoint_pieces(self) -> tuple[list[Piece], list[dict] | None]:
         """What this rank writes into a checkpoint, and (on global rank 0) the single-process optimizer's
-        param groups. Replicas are equal: rank 0 writes every tensor whole, the others nothing."""
-        if self.tp_size > 1:  # data-parallel rank 0 of each tensor-parallel rank: the rows it owns
-            state = self.optimizer.state_dict()
-            groups = state["param_groups"] if dist.get_rank() == 0 else None
-            if self.mesh.dp_rank != 0:
-                return [], groups
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            return (tp_state.model_pieces(self.module, self.tp_rank)
-                    + tp_state.optimizer_pieces(params, state["state"], self.tp_rank)), groups
-        if dist.get_rank() != 0:
-            return [], None
+        param groups. Replicas are equal: data-parallel rank 0 writes the rows each tensor-parallel rank
+        owns (every tensor whole without tensor parallelism), the others nothing."""
         state = self.optimizer.state_dict()
-        return state_pieces(self.module.state_dict(), state["state"]), state["param_groups"]
+        groups = state["param_groups"] if dist.get_rank() == 0 else None
+        if self.mesh.dp_rank != 0:
+            return [], groups
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return (tp_state.model_pieces(self.module, self.tp_rank)
+                + tp_state.optimizer_pieces(params, state["state"], self.tp_rank)), groups
 
     def load_state(self, model_state: Mapping, optimizer_state: dict) -> None:
         """Load the single-process model and optimizer state (lazy mappings from a checkpoint reader);
         with tensor parallelism each rank takes its rows of every tensor."""
-        if self.tp_size > 1:
-            tp_state.load_model(self.module, model_state)
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            full = materialized_optimizer_state(optimizer_state)
-            self.optimizer.load_state_dict({"state": tp_state.local_optimizer_state(params, full["state"]),
-                                            "param_groups": full["param_groups"]})
-            return
-        load_model_state(self.module, dict(model_state))
-        self.optimizer.load_state_dict(materialized_optimizer_state(optimizer_state))
+        tp_state.load_model(self.module, model_state)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        full = materialized_optimizer_state(optimizer_state)
+        self.optimizer.load_state_dict({"state": tp_state.local_optimizer_state(params, full["state"]),
+                                        "param_groups": full["param_groups"]})
 
     def final_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on global rank 0 (a collective for sharded layouts)."""
@@ -227,7 +219,7 @@ class ZeroEngine(DataParallelEngine):
             by_ref = {self.optimizer._ref_index[id(p)]: p for p in self.module.parameters()
                       if id(p) in self.optimizer._ref_index}
             optimizer_state = {"param_groups": optimizer_state["param_groups"],
-                               "state": {int(i): tp_state.LocalView(st, lambda _k, p=by_ref.get(int(i)): p)
+                               "state": {int(i): tp_state.LocalView.of_tensor(st, by_ref.get(int(i)))
                                          for i, st in optimizer_state["state"].items()}}
         load_model_state(self.wrapper, model_state)
         self.optimizer.load_state_dict(optimizer_state)

@@ -126,16 +126,18 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
             scaler.update(found_inf)
         done = step + 1
         first = done == start_step + 1  # the optimizer state exists from here: print the start-up table
-        accounted = None
+        accounted, accounting_s = None, 0.0
         if first or done == tcfg.steps or done % 10 == 0:  # measured while gradients and moments both exist
+            t_acc = time.perf_counter()
             accounted = engine.memory_bytes()
+            accounting_s = time.perf_counter() - t_acc  # not part of the training step's time
         optimizer.zero_grad(set_to_none=True)
 
         step_loss = replica_loss.clone()
         dist.all_reduce(step_loss, op=dist.ReduceOp.SUM, group=dp_group)
         step_loss = step_loss.item() / dp_size
         losses.append(step_loss)
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0 - accounting_s
         tokens_per_s = tokens_per_step / elapsed
         metrics = {
             "loss": step_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,

@@ -32,6 +32,7 @@ from shardwise.dist.comm.compress import gradient_all_reduce
 from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import Mesh
 from shardwise.model import Transformer
+from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import (
     Pipeline,
     Timeline,
@@ -45,16 +46,15 @@ from shardwise.parallel.pipeline import (
     zb_h1_bubble,
 )
 from shardwise.parallel.pipeline.grad_sync import GradientSync
+from shardwise.parallel.pipeline.timeline import Event
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces
-from shardwise.parallel.pipeline.timeline import Event
 from shardwise.train import memory as train_memory
+from shardwise.train import tp_state
 from shardwise.train.engines import load_model_state
 from shardwise.train.optim import build_optimizer, decay_groups, optimizer_param_names
 from shardwise.train.precision import DynamicLossScaler, autocast_context
-from shardwise.parallel.parallelize import parallelize
-from shardwise.train import tp_state
-from shardwise.train.sharded import Piece, state_pieces
+from shardwise.train.sharded import Piece
 
 
 class PipelineEngine:
@@ -201,17 +201,12 @@ class PipelineEngine:
                                           ref_map=lambda i: ref_index[local_names[i]]), groups
         if self.mesh.dp_rank != 0:
             return [], groups
-        opt = self.optimizer.state_dict()["state"]
-        if self.tp_size > 1:  # this tensor-parallel rank's rows of its stages' tensors
-            local = [p for g in self.optimizer.param_groups for p in g["params"]]
-            params = {ref_index[local_names[i]]: local[i] for i in range(len(local))}
-            state = {ref_index[local_names[i]]: st for i, st in opt.items()}
-            return ([p for c in self.pipe.chunks for p in tp_state.model_pieces(c, self.tp_rank)]
-                    + tp_state.optimizer_pieces(params, state, self.tp_rank)), groups
-        model_state: dict[str, torch.Tensor] = {}
-        for chunk in self.pipe.chunks:
-            model_state.update(chunk.state_dict())
-        return state_pieces(model_state, {ref_index[local_names[i]]: st for i, st in opt.items()}), groups
+        opt = self.optimizer.state_dict()["state"]  # its stages' tensors (this tensor-parallel rank's rows)
+        local = [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = {ref_index[local_names[i]]: local[i] for i in range(len(local))}
+        state = {ref_index[local_names[i]]: st for i, st in opt.items()}
+        return ([p for c in self.pipe.chunks for p in tp_state.model_pieces(c, self.tp_rank)]
+                + tp_state.optimizer_pieces(params, state, self.tp_rank)), groups
 
     def load_state(self, model_state: Mapping, optimizer_state: dict) -> None:
         """Take this rank's layers (and their optimizer state) from the single-process state."""
@@ -219,18 +214,14 @@ class PipelineEngine:
             self._load_zero(model_state, optimizer_state)
             return
         for chunk in self.pipe.chunks:
-            if self.tp_size > 1:
-                tp_state.load_model(chunk, model_state)
-            else:
-                load_model_state(chunk, model_state, strict_subset=True)
+            tp_state.load_model(chunk, model_state)
         decay, no_decay = self.reference_groups
         ref_index = {n: i for i, n in enumerate(decay + no_decay)}
         saved = {int(k): v for k, v in optimizer_state["state"].items()}
         local_names = optimizer_param_names(self._named_parameters())
         state = {i: dict(saved[ref_index[n]]) for i, n in enumerate(local_names) if ref_index[n] in saved}
-        if self.tp_size > 1:
-            local = [p for g in self.optimizer.param_groups for p in g["params"]]
-            state = tp_state.local_optimizer_state(local, state)
+        local = [p for g in self.optimizer.param_groups for p in g["params"]]
+        state = tp_state.local_optimizer_state(local, state)
         live_groups = self.optimizer.state_dict()["param_groups"]
         groups = [dict({k: v for k, v in saved_g.items() if k != "params"}, params=live_g["params"])
                   for saved_g, live_g in zip(optimizer_state["param_groups"], live_groups, strict=True)]
@@ -251,7 +242,7 @@ class PipelineEngine:
         local = [p for g in self.optimizer.reference_groups for p in g]
         state = {i: saved[ref_index[n]] for i, n in enumerate(local_names) if ref_index[n] in saved}
         if self.tp_size > 1:
-            state = {i: tp_state.LocalView(st, lambda _k, p=local[i]: p) for i, st in state.items()}
+            state = {i: tp_state.LocalView.of_tensor(st, local[i]) for i, st in state.items()}
         self.optimizer.load_state_dict({"state": state, "param_groups": optimizer_state["param_groups"]})
 
     def final_state_dict(self) -> dict[str, torch.Tensor]:

@@ -19,7 +19,6 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-
 RECOMPUTE_MODES = ("none", "full", "selective")
 
 

@@ -51,18 +51,6 @@ def whole(key: str, tensor: torch.Tensor) -> Piece:
     return Piece(key, tensor.detach().reshape(-1), 0, tuple(tensor.shape))
 
 
-def state_pieces(model_state: Mapping[str, torch.Tensor],
-                 optimizer_state: Mapping[int, Mapping[str, Any]]) -> list[Piece]:
-    """Whole-tensor pieces of a model state dict and of an optimizer's per-parameter state."""
-    pieces = [whole(f"model/{name}", t) for name, t in model_state.items()]
-    for index, per_param in optimizer_state.items():
-        for name, value in per_param.items():
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"optimizer state {index}/{name} is a {type(value).__name__}; only tensors are saved")
-            pieces.append(whole(f"optim/{index}/{name}", value))
-    return pieces
-
-
 def save_sharded(root: Path, step: int, pieces: list[Piece], meta: dict[str, Any] | None, keep: int) -> None:
     """Write checkpoint ``step``: every rank its ``pieces``, global rank 0 also ``meta`` (None elsewhere)
     with the index added. A collective over the default group; a failed writer fails every rank."""

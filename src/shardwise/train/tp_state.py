@@ -15,13 +15,14 @@ it holds, and whether this rank is the *owner* among the ranks holding the same 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from shardwise.train.sharded import Piece
+
 
 def shard_info(t: torch.Tensor):
     """The tensor's :class:`TPShard`, or ``None`` for a tensor that is not laid out over tp."""
@@ -79,6 +80,8 @@ def optimizer_pieces(params: list[nn.Parameter], state: Mapping[int, Mapping], t
             continue
         for name, value in per_param.items():
             key = f"optim/{index}/{name}"
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer state {index}/{name} is a {type(value).__name__}; only tensors are saved")
             if info is not None and value.dim() > 0 and value.shape == p.shape:
                 pieces += slice_pieces(key, value, info)
             else:
@@ -109,14 +112,7 @@ def load_model(module: nn.Module, model_state: Mapping[str, torch.Tensor]) -> No
 
 def local_optimizer_state(params: list[nn.Parameter], state: Mapping[int, Mapping]) -> dict[int, dict]:
     """The single-process optimizer state (full tensors per index) cut to this rank's parameters."""
-    out = {}
-    for index, per_param in state.items():
-        p = params[int(index)]
-        info = shard_info(p)
-        out[int(index)] = {name: local_value(v, p, info) if isinstance(v, torch.Tensor) and v.dim() > 0
-                           and info is not None and v.shape == torch.Size(info.full_shape) else v
-                           for name, v in per_param.items()}
-    return out
+    return {int(i): dict(LocalView.of_tensor(per_param, params[int(i)])) for i, per_param in state.items()}
 
 
 def gather_full_state(modules: nn.Module | list[nn.Module], tp_rank: int, active: bool = True,
@@ -173,6 +169,11 @@ class LocalView(Mapping):
 
     def __init__(self, full: Mapping, like_of):
         self.full, self.like_of = full, like_of
+
+    @classmethod
+    def of_tensor(cls, full: Mapping, like: torch.Tensor | None) -> LocalView:
+        """Every tensor of ``full`` laid out like ``like`` (one parameter's optimizer state)."""
+        return cls(full, lambda _key: like)
 
     def __getitem__(self, key):
         value = self.full[key]

@@ -138,11 +138,7 @@ class GradReduction:
         """End-of-backward callback: reduce what is left, wait, hand each master piece its gradient."""
         try:
             if self._sync:
-                while self._next < len(self._order):
-                    self._reduce(self._order[self._next])
-                self._drain(keep=0)
-                self._agree_on_grads()
-                self.masters.set_grads(self.units)
+                self._reduce_rest()
             if self.stage == 3:
                 for u in self.units:
                     self._free(u)
@@ -157,12 +153,16 @@ class GradReduction:
         backward passes interleave with other stages' work, so no single pass is "the last" (Narayanan
         et al. 2021 §3: the data-parallel reduction follows the pipeline flush)."""
         self._reset()
+        self._reduce_rest()
+        self._reset()
+
+    def _reduce_rest(self) -> None:
+        """Reduce the units not reduced yet, wait for every reduction, hand each master its slice."""
         while self._next < len(self._order):
             self._reduce(self._order[self._next])
         self._drain(keep=0)
         self._agree_on_grads()
         self.masters.set_grads(self.units)
-        self._reset()
 
     def _agree_on_grads(self) -> None:
         """Give every unit ``had_grad``: per parameter, whether any rank produced a gradient."""
