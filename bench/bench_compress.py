@@ -6,9 +6,10 @@ as its all-reduce (what ``comm.compression`` selects in the trainer). The timed 
 between the methods, the one going first rotating every step, so drift on a shared machine hits
 all alike. Reported per method: the bytes this rank actually put on the wire per step (counted at
 every point-to-point send of our algorithms; with the backend's own collectives, whose wire traffic
-is not visible, the bytes handed to them -- see ``shardwise.dist.comm.counting``), the median step time (forward + backward + AdamW, slowest
-rank), both as ratios to uncompressed ("none"), and the mean loss of the last steps (compression
-must not stop the model from learning; top-k and int8 carry what they drop by error feedback).
+is not visible, the bytes handed to them -- see ``shardwise.dist.comm.counting``), the median step
+time (forward + backward + AdamW, slowest rank), both as ratios to uncompressed ("none"), and the
+mean loss of the last steps (compression must not stop the model from learning; top-k and int8
+carry what they drop by error feedback).
 
     python bench/bench_compress.py --nproc 2 --steps 12
     python bench/bench_compress.py --algorithm ring --json bench/results/compress_ring.json

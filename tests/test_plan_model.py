@@ -29,7 +29,8 @@ def test_param_count_equals_transformer(preset):
 
 
 def test_planner_accepts_layouts_the_trainer_rejects():
-    cfg = Config.load(overrides={"model.preset": "gpt3-175b", "parallel.tp": "8", "parallel.pp": "8", "parallel.zero": "2"})
+    cfg = Config.load(overrides={"model.preset": "gpt3-175b", "parallel.tp": "8", "parallel.pp": "8",
+                                 "parallel.zero": "2"})
     with pytest.raises(ConfigError):
         cfg.resolve(world_size=64)
     assert model_spec(cfg).n_layers == 96

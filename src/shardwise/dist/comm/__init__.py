@@ -18,5 +18,5 @@ from .collectives import ALGORITHMS, all_gather, all_to_all, barrier, broadcast,
 from .counting import CommLedger, CommStats
 from .p2p import OPS
 
-__all__ = ["ALGORITHMS", "ALL_REDUCE_ALGORITHMS", "OPS", "CommLedger", "CommStats", "all_gather", "all_reduce", "all_to_all",
-           "barrier", "broadcast", "gather", "native_all_reduce", "reduce", "reduce_scatter", "scatter"]
+__all__ = ["ALGORITHMS", "ALL_REDUCE_ALGORITHMS", "OPS", "CommLedger", "CommStats", "all_gather", "all_reduce",
+           "all_to_all", "barrier", "broadcast", "gather", "native_all_reduce", "reduce", "reduce_scatter", "scatter"]

@@ -292,8 +292,9 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         """Global L2 norm of the gradient over all shards (and, when given, over the tensor-parallel and
         pipeline groups; ``skip``: parameters another stage counts), clipped to ``max_norm`` as
         ``torch.nn.utils.clip_grad_norm_`` would on the full gradient (:mod:`shardwise.parallel.grad_norm`)."""
-        return clip_grad_norm(self.grad_pieces(), max_norm, tp_group=tp_group, shard_group=self.group or dist.group.WORLD,
-                              pp_group=pp_group, skip=skip, device=self.units[0].shard.device)
+        return clip_grad_norm(self.grad_pieces(), max_norm, tp_group=tp_group,
+                              shard_group=self.group or dist.group.WORLD, pp_group=pp_group, skip=skip,
+                              device=self.units[0].shard.device)
 
     @torch.no_grad()
     def after_step(self) -> None:
