@@ -87,7 +87,7 @@ def _wrap(kind: str, model: nn.Module, args):
     from shardwise.dist.comm.compress import gradient_all_reduce
     from shardwise.parallel import DataParallel
 
-    if kind == "ours":  # exactly as the trainer wraps it (train/engines.py): the configured all-reduce
+    if kind == "ours":  # exactly as the trainer wraps it (train/engine.py): the configured all-reduce
         return DataParallel(model, bucket_mb=args.bucket_mb, all_reduce_fn=gradient_all_reduce(CommConfig()))
     if kind == "torch":
         return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)

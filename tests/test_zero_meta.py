@@ -2,7 +2,7 @@
 
 * the shards, buffers and tied weights are bit for bit (atol = 0) those of the old start (whole model
   built on every rank, rank 0's weights broadcast, slices kept), for both model flavours, on 4 ranks,
-  through the trainer's :class:`~shardwise.train.engines.ZeroEngine`;
+  through the trainer's :class:`~shardwise.train.engine.Engine`;
 * the peak resident memory a ZeRO-3 rank gains while the engine is built stays far below the full
   model's fp32 bytes (a ~170 MB model on 4 ranks), while the old start gains more than the model;
 * ranks that disagree (another seed) are told so instead of training different models.
@@ -38,10 +38,10 @@ def _zero_engine(cfg, run_dir: str):
     import torch.distributed as dist
 
     from shardwise.dist.mesh import ParallelDims
-    from shardwise.train.engines import ZeroEngine
+    from shardwise.train.engine import Engine
 
     mesh = ParallelDims.from_config(cfg.parallel, dist.get_world_size()).build()
-    return ZeroEngine(cfg, mesh, torch.device("cpu"), Path(run_dir))
+    return Engine(cfg, mesh, torch.device("cpu"), Path(run_dir))
 
 
 def _old_start(cfg):
@@ -56,7 +56,7 @@ def _old_start(cfg):
 
 
 def _compare_starts(run_dir: str, presets: list[str]):
-    """Rank body: per preset, the meta-built ZeroEngine's shards, buffers and first loss against the old start."""
+    """Rank body: per preset, the meta-built engine's ZeRO shards, buffers and first loss against the old start."""
     out = {}
     for preset in presets:
         cfg = _config(WORLD, **{"model.preset": preset, "parallel.zero_unit": 1})

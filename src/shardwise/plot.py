@@ -101,7 +101,7 @@ def plot_timeline(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:
     import json
 
     from shardwise.parallel.pipeline import plot_gantt, write_chrome_trace
-    from shardwise.train.pipeline_engine import timelines_from_json
+    from shardwise.parallel.pipeline.timeline import timelines_from_json
 
     run_dir = Path(run_dir)
     source = run_dir / "timeline.json"

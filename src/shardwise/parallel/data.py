@@ -218,6 +218,21 @@ class DataParallel(nn.Module):
         finally:
             self._sync = previous
 
+    def reduce_gradients(self) -> None:
+        """Average now the gradients accumulated under :meth:`no_sync` (a pipeline's, after its flush;
+        Narayanan et al. 2021 §3): every bucket is launched at once, then waited for; each ``.grad`` is then a
+        view of its bucket. A collective over the group."""
+        if self._buckets:
+            self._finish_backward()
+
+    shard_group = None
+    """Replicas hold whole, equal gradients: nothing is summed over the data-parallel group for a norm
+    (a ZeRO wrapper names its shard group here; :mod:`shardwise.parallel.grad_norm`)."""
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """``(p.grad, p)`` for each parameter with a gradient: what this rank holds of the gradient."""
+        return [(p.grad, p) for p in self._params if p.grad is not None]
+
     @property
     def bucket_sizes(self) -> list[int]:
         """Number of gradient elements in each bucket, in launch order."""

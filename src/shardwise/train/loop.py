@@ -24,7 +24,7 @@ from shardwise.model import Transformer
 from shardwise.train import memory as train_memory
 from shardwise.train import state as train_state
 from shardwise.train.checkpoint import latest_valid_checkpoint
-from shardwise.train.engines import build_engine
+from shardwise.train.engine import Engine
 from shardwise.train.flops import peak_flops, training_flops_per_token
 from shardwise.train.metrics import MetricsLogger, process_memory_bytes
 from shardwise.train.optim import lr_at, set_lr
@@ -67,8 +67,8 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     val_windows = TokenWindows(corpus.val_path, cfg.data.seq_len)
     sampler = DistributedWindowSampler(len(train_windows), tcfg.global_batch, tcfg.seed, dp_rank, dp_size)
 
-    # Model and technique: every rank builds what it holds from the seed (train/engines.py).
-    engine = build_engine(cfg, mesh, device, run_dir)
+    # Model and techniques: every rank builds what it holds from the seed, composed in one order (train/engine.py).
+    engine = Engine(cfg, mesh, device, run_dir)
     optimizer = engine.optimizer
     scaler = DynamicLossScaler(tcfg.fp16_init_scale, growth_interval=tcfg.fp16_growth_interval) \
         if tcfg.precision == "fp16" else None
@@ -152,8 +152,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
                 metrics["val_loss"] = val_loss
         if accounted is not None:
             metrics.update({f"mem_{k}": float(v) for k, v in process_memory_bytes().items()})
-            if hasattr(engine, "write_timeline"):
-                engine.write_timeline(run_dir, done)
+            engine.write_timeline(run_dir, done)
             metrics.update({f"mem_{k}_bytes": float(v) for k, v in accounted.items()})
         if first:
             per_rank = train_memory.gather_per_rank(accounted)

@@ -78,7 +78,6 @@ def model_state_bytes(engine, optimizer) -> dict[str, int]:
     else:
         params = list(engine.module.parameters())
         buckets = [b.buffer for b in getattr(engine, "_buckets", ())]  # DataParallel's gradient buckets
-        buckets += [b for _, b in getattr(getattr(engine, "sync", None), "buckets", ())]  # a pipeline's
         cats = {"params": params, "grads": [p.grad for p in params] + buckets, "master": []}
     out = storage_bytes({**cats, "optimizer": _optimizer_tensors(optimizer)})
     if isinstance(engine, ZeroDataParallel):

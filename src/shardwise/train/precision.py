@@ -116,7 +116,7 @@ class DynamicLossScaler:
         factors). With ``group`` given, the overflow flag is all-reduced with MAX so every rank
         makes the same skip decision.
         """
-        buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        grads = []
         for p in params:
             g = p.grad
             if g is None:
@@ -124,6 +124,13 @@ class DynamicLossScaler:
             if g.is_sparse:
                 p.grad = g = g.coalesce()
                 g = g._values()
+            grads.append(g)
+        return self.unscale_grads_(grads, group)
+
+    def unscale_grads_(self, grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> bool:
+        """:meth:`unscale_` on the gradient tensors themselves (e.g. a ZeRO rank's slices)."""
+        buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in grads:
             buckets.setdefault((g.device, g.dtype), []).append(g)
 
         flag_device = next(iter(buckets))[0] if buckets else self._flag_device(group)

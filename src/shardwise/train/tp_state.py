@@ -165,10 +165,12 @@ def local_range_pieces(key: str, values: torch.Tensor, local_start: int, local_s
 
 class LocalView(Mapping):
     """A single-process state mapping (e.g. a checkpoint reader's lazy one) seen by this rank: reading a
-    tensor that ``like_of(key)`` names a local tensor for returns this rank's rows of it (padding zero)."""
+    tensor that ``like_of(key)`` names a local tensor for returns this rank's rows of it (padding zero).
+    ``keys``: only these keys are seen (a model part's own, out of the whole model's state)."""
 
-    def __init__(self, full: Mapping, like_of):
+    def __init__(self, full: Mapping, like_of, keys=None):
         self.full, self.like_of = full, like_of
+        self.keys_seen = None if keys is None else dict.fromkeys(keys)
 
     @classmethod
     def of_tensor(cls, full: Mapping, like: torch.Tensor | None) -> LocalView:
@@ -186,10 +188,10 @@ class LocalView(Mapping):
         return local_value(value, like, info)
 
     def __contains__(self, key) -> bool:
-        return key in self.full
+        return key in self.full and (self.keys_seen is None or key in self.keys_seen)
 
     def __iter__(self):
-        return iter(self.full)
+        return iter(self.full if self.keys_seen is None else [k for k in self.keys_seen if k in self.full])
 
     def __len__(self):
-        return len(self.full)
+        return sum(1 for _ in self)

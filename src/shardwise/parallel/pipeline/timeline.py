@@ -138,3 +138,13 @@ def plot_gantt(timelines: Sequence[Timeline], path: str | Path, title: str | Non
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def timelines_from_json(doc: dict) -> list[Timeline]:
+    """The timelines a run kept in ``timeline.json``
+    (:meth:`shardwise.train.schedules.PipelineSchedule.write_timeline`)."""
+    out = []
+    for t in doc["timelines"]:
+        events = [Event(**e) for e in t["events"]]
+        out.append(Timeline(rank=t["rank"], events=events, peak_live=t["peak_live"], start=t["start"], end=t["end"]))
+    return out

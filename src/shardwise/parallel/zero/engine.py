@@ -287,6 +287,11 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         """``(gradient slice, its parameter)`` for every master piece with a gradient this step."""
         return [(m.grad, u.params[pc.param_index]) for u, pc, m in self.masters.entries if m.grad is not None]
 
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        """The group whose ranks hold the slices of the gradient (:mod:`shardwise.parallel.grad_norm`)."""
+        return self.group or dist.group.WORLD
+
     def clip_grad_norm_(self, max_norm: float, tp_group: dist.ProcessGroup | None = None,
                         pp_group: dist.ProcessGroup | None = None, skip: frozenset[int] = frozenset()) -> float:
         """Global L2 norm of the gradient over all shards (and, when given, over the tensor-parallel and

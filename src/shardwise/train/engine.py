@@ -1,0 +1,286 @@
+"""The one training engine: every layout is the same plain model with techniques applied from outside.
+
+The loop (:mod:`shardwise.train.loop`) drives one :class:`Engine` whatever the layout. The engine composes
+the layout in one fixed order (DESIGN.md, "How layouts compose"; torchtitan's ``parallelize`` does the same):
+
+1. **model parts**: the pipeline cuts first -- with ``parallel.pp > 1`` this rank builds only its stages
+   (``v`` chunks for the interleaved schedule, chunk ``c`` being global stage ``c * p + r``); with pp = 1
+   its one part is the whole model (on the meta device for ZeRO-3, which materialises only its slices).
+   Every part is initialised from ``(seed, name, shape)`` alone, so it equals that part of the
+   single-process model;
+2. **parallelize** each part (:func:`~shardwise.parallel.parallelize.parallelize`): tensor / sequence
+   parallel -> (context parallel, experts) -> activation recomputation;
+3. **data parallel** over the gradient-reduction group: plain replicas with bucketed all-reduce
+   (:class:`~shardwise.parallel.data.DataParallel`) or ZeRO-1/2/3
+   (:class:`~shardwise.parallel.zero.ZeroDataParallel`, with its :class:`~shardwise.parallel.zero.ZeroOptimizer`);
+4. **schedule** (:mod:`shardwise.train.schedules`): one stage (plain forward/backward per micro-batch,
+   gradients reduced during the last backward) or a pipeline schedule (reduced after the flush).
+
+What every layout shares is then written once: one global gradient norm and clip over per-parameter
+metadata (:mod:`shardwise.parallel.grad_norm`), one fp16 overflow check, one memory account, and layout-free
+checkpoints -- this rank's pieces of the single-process model and optimizer state under the single-process
+names and optimizer indices (:class:`ReferenceOrder`), loaded back resharded to any layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.config import Config
+from shardwise.config_resolve import pipeline_partition
+from shardwise.dist.comm.compress import gradient_all_reduce
+from shardwise.dist.comm.counting import CommLedger
+from shardwise.dist.mesh import Mesh
+from shardwise.model import Transformer
+from shardwise.model.transformer import initial_value
+from shardwise.parallel.data import DataParallel
+from shardwise.parallel.grad_norm import clip_grad_norm
+from shardwise.parallel.parallelize import parallelize
+from shardwise.parallel.pipeline import Pipeline, build_stage, partition
+from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
+from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces
+from shardwise.parallel.zero.meta import materialize_buffers
+from shardwise.train import memory as train_memory
+from shardwise.train import tp_state
+from shardwise.train.checkpoint import CheckpointError
+from shardwise.train.optim import build_optimizer, decay_groups, optimizer_param_names
+from shardwise.train.precision import DynamicLossScaler, autocast_context
+from shardwise.train.schedules import OneStage, PipelineSchedule
+from shardwise.train.sharded import Piece
+
+
+def load_model_state(module: nn.Module, state: Mapping) -> None:
+    """Load ``state`` into ``module``; a missing or unexpected key is a :class:`CheckpointError`."""
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint model does not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+class ReferenceOrder:
+    """The single-process optimizer's parameter indices, seen from this rank's model parts.
+
+    A checkpoint stores optimizer state under the index the single-process AdamW gives each parameter
+    (decayed parameters first, :func:`~shardwise.train.optim.decay_groups`). This rank's optimizer indexes
+    only the parameters it holds, in the same rule's order; ``ref[i]`` is the single-process index of local
+    index ``i`` (the identity for a whole model)."""
+
+    def __init__(self, model_cfg, local_named: Iterator[tuple[str, nn.Parameter]]):
+        with torch.device("meta"):
+            decay, no_decay, _ = decay_groups(Transformer(model_cfg).named_parameters())
+        index = {n: i for i, n in enumerate(decay + no_decay)}
+        self.n_decay, self.n_total = len(decay), len(decay) + len(no_decay)
+        self.ref = [index[n] for n in optimizer_param_names(local_named)]
+
+    def param_groups(self, live_groups: list[dict]) -> list[dict]:
+        """The single-process optimizer's ``param_groups``: the live hyper-parameters, every index."""
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in live_groups]
+        return [dict(hyper[0], params=list(range(self.n_decay))),
+                dict(hyper[1], params=list(range(self.n_decay, self.n_total)))]
+
+    def local_state(self, saved: Mapping) -> dict[int, Mapping]:
+        """The saved single-process optimizer state re-keyed by this rank's indices."""
+        saved = {int(k): v for k, v in saved.items()}
+        return {i: saved[r] for i, r in enumerate(self.ref) if r in saved}
+
+
+class Engine:
+    """This rank's part of the model under every technique the config turns on, and the step that trains it."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, run_dir: Path):
+        p = cfg.parallel
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.group = mesh.dp_group
+        """The gradient-reduction group (replicas of this rank's part)."""
+        self.ledger = CommLedger()
+        """Every collective of this rank's techniques, counted where it is called, by mesh axis."""
+        self.tp_rank = mesh.rank("tp")
+        self.tp_group = mesh.group("tp") if mesh.size("tp") > 1 else None
+        self.pp_group = mesh.group("pp") if p.pp > 1 else None
+        torch.manual_seed(cfg.train.seed)
+        # 1. model parts (the pipeline cuts first), 2. techniques applied to each part
+        self.parts = self._build_parts()
+        for part in self.parts:
+            parallelize(part, mesh, cfg, self.ledger)
+        self.module = self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
+        """What the data-parallel wrapper holds: the one part, or this rank's interleaved chunks."""
+        # 3. data parallel (plain or ZeRO) over the gradient-reduction group, and the optimizer
+        self.zero = p.zero > 0
+        self.wrapper = self._wrap(run_dir)
+        reference = build_optimizer(self.module, cfg.train, self._named_parameters())
+        self.optimizer = ZeroOptimizer(self.wrapper, reference) if self.zero else reference
+        self.order = ReferenceOrder(cfg.model, self._named_parameters())
+        # 4. the schedule of a step
+        self.schedule = self._schedule()
+
+    # ---- composing the layout ---------------------------------------------------------------------
+
+    def _build_parts(self) -> list[nn.Module]:
+        cfg, p = self.cfg, self.cfg.parallel
+        if p.pp > 1:
+            method, boundaries = pipeline_partition(p.pp_partition)
+            self.split = partition(cfg.model, p.pp * p.pp_virtual, method, boundaries, seq_len=cfg.data.seq_len)
+            rank = self.mesh.rank("pp")
+            stages = [c * p.pp + rank for c in range(p.pp_virtual)]
+            return [build_stage(cfg.model, s, p.pp * p.pp_virtual, self.split[s], cfg.train.seed, self.device)
+                    for s in stages]
+        if p.zero == 3 and self.tp_group is None:  # ZeRO-3 materialises only its slices (tp slices real weights)
+            with torch.device("meta"):
+                module = Transformer(cfg.model)
+            materialize_buffers(module, self.device)
+            module.reset_parameters(cfg.train.seed)  # fills the buffers; meta parameters are skipped
+            return [module]
+        module = Transformer(cfg.model)
+        module.reset_parameters(cfg.train.seed)
+        return [module.to(self.device)]
+
+    def _named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their single-process names."""
+        for part in self.parts:
+            yield from part.named_parameters()
+
+    def _param_init(self):
+        """The full initial value of one parameter of a meta-built model (``None``: the model is real)."""
+        if not any(p.is_meta for p in self.module.parameters()):
+            return None
+        names = {id(p): n for n, p in self.module.named_parameters_for_init()}
+        m, seed = self.cfg.model, self.cfg.train.seed
+        return lambda _name, p: initial_value(names[id(p)], p.shape, seed, init_std=m.init_std, n_layers=m.n_layers)
+
+    def _wrap(self, run_dir: Path):
+        p = self.cfg.parallel
+        if not self.zero:
+            return DataParallel(self.module, group=self.group, bucket_mb=p.bucket_mb,
+                                all_reduce_fn=gradient_all_reduce(self.cfg.comm, self.ledger["dp"]))
+        return ZeroDataParallel(self.module, group=self.group, stage=p.zero, bucket_mb=p.bucket_mb,
+                                unit_blocks=p.zero_unit, offload=p.offload,
+                                offload_dir=p.offload_dir or str(run_dir / "offload"),
+                                quant_weights=p.zero_quant_weights, quant_grads=p.zero_quant_grads,
+                                hpz_size=p.zero_hpz, comm_stats=self.ledger["dp"],
+                                param_init=self._param_init(), device=self.device)
+
+    def _schedule(self):
+        p, precision, device = self.cfg.parallel, self.cfg.train.precision, self.device
+        if p.pp == 1:
+            return OneStage(self.wrapper, precision, device)
+        pipe = Pipeline(self.parts, self.mesh.ranks("pp"), p.pp_schedule, p.microbatches, self.cfg.model.d_model,
+                        device=device, forward_context=lambda: autocast_context(precision, device.type),
+                        comm_stats=self.ledger["pp"])
+        return PipelineSchedule(pipe, self.wrapper, self.mesh.group("pp"), self.mesh.ranks("pp"), p.pp_schedule,
+                                device)
+
+    def describe(self) -> str:
+        p = self.cfg.parallel
+        out = f"dp={self.mesh.dp_size}"
+        if self.tp_group is not None:
+            out += f" x tp={p.tp}" + (" (sequence parallel)" if p.sequence_parallel else "")
+        if self.pp_group is not None:
+            stages = ", ".join(f"{s.start}-{s.stop - 1}" for s in self.split)
+            chunks = f", {p.pp_virtual} chunks per rank" if p.pp_virtual > 1 else ""
+            out += (f" x pp={p.pp}, {p.pp_schedule} schedule, {p.microbatches} micro-batches{chunks}; "
+                    f"blocks per stage {stages}")
+        return out + (f", zero={p.zero}" if self.zero else "")
+
+    # ---- the step ---------------------------------------------------------------------------------
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str,
+                         scaler: DynamicLossScaler | None) -> torch.Tensor:
+        """The mean loss of this replica's micro-batches; gradients averaged over the group when it returns."""
+        return self.schedule.run(batches, scaler)
+
+    def unscale_and_clip(self, scaler: DynamicLossScaler | None, max_norm: float) -> tuple[bool, float]:
+        """fp16: unscale the gradients this rank holds, every rank agreeing on an overflow; then the global
+        gradient norm of the single-process model, clipped to ``max_norm`` (0: only measured)."""
+        pieces = self.wrapper.grad_pieces()
+        found_inf = scaler.unscale_grads_([g for g, _ in pieces], group=dist.group.WORLD) if scaler else False
+        norm = clip_grad_norm(pieces, max_norm, tp_group=self.tp_group, shard_group=self.wrapper.shard_group,
+                              pp_group=self.pp_group, skip=self._counted_elsewhere(), device=self.device)
+        return found_inf, norm
+
+    def _counted_elsewhere(self) -> frozenset[int]:
+        """A table tied between the first and last stages is counted in the norm by the first stage only."""
+        skip = set()
+        for part in self.parts:
+            tied = getattr(part, "tied_weight", None)
+            if tied is not None and part.stage != 0:
+                skip.add(id(tied))
+        return frozenset(skip)
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, precision: str) -> torch.Tensor:
+        return self.schedule.eval_loss(x, y)
+
+    def train_mode(self, on: bool) -> None:
+        self.module.train(on)
+
+    def comm_metrics(self) -> dict[str, float]:
+        """This step's communication as the counting layer recorded it (:meth:`CommLedger.pop_metrics`)."""
+        return self.ledger.pop_metrics()
+
+    def step_metrics(self) -> dict[str, float]:
+        return self.schedule.step_metrics()
+
+    def write_timeline(self, run_dir: Path, step: int) -> None:
+        self.schedule.write_timeline(run_dir, step)
+
+    def memory_bytes(self) -> dict[str, int]:
+        return train_memory.model_state_bytes(self.wrapper, self.optimizer)
+
+    # ---- layout-free checkpoints -----------------------------------------------------------------
+
+    def checkpoint_pieces(self) -> tuple[list[Piece], list[dict] | None]:
+        """What this rank writes into a checkpoint, and (on global rank 0) the single-process optimizer's
+        param groups. A ZeRO rank writes the slices of its shard; otherwise replicas are equal and
+        data-parallel rank 0 writes the tensors (the rows each tensor-parallel rank owns) of its parts."""
+        groups = self.order.param_groups(self.optimizer.param_groups) if dist.get_rank() == 0 else None
+        first = self.mesh.dp_rank == 0
+        if self.zero:
+            pieces = zero_checkpoint_pieces(self.wrapper, self.optimizer, with_buffers=first and self.tp_rank == 0,
+                                            ref_map=lambda i: self.order.ref[i])
+            return pieces, groups
+        if not first:
+            return [], groups
+        local = [p for g in self.optimizer.param_groups for p in g["params"]]
+        state = self.optimizer.state_dict()["state"]
+        params = {self.order.ref[i]: p for i, p in enumerate(local)}
+        moments = {self.order.ref[i]: st for i, st in state.items()}
+        return ([piece for part in self.parts for piece in tp_state.model_pieces(part, self.tp_rank)]
+                + tp_state.optimizer_pieces(params, moments, self.tp_rank)), groups
+
+    def load_state(self, model_state: Mapping, optimizer_state: dict) -> None:
+        """Load the single-process model and optimizer state (lazy mappings from a checkpoint reader),
+        resharded to this layout: this rank's parts, each tensor cut to its tensor-parallel rows, and (ZeRO)
+        only the slices of its shard, read one tensor at a time."""
+        saved = self.order.local_state(optimizer_state["state"])
+        if self.zero:
+            infos = dict(self._named_parameters_all())
+            own = self.wrapper.module.state_dict(keep_vars=True).keys()
+            load_model_state(self.wrapper, tp_state.LocalView(model_state, infos.get, keys=own))
+            local = [p for g in self.optimizer.reference_groups for p in g]
+            state = {i: tp_state.LocalView.of_tensor(st, local[i]) for i, st in saved.items()}
+            self.optimizer.load_state_dict({"state": state, "param_groups": optimizer_state["param_groups"]})
+            return
+        for part in self.parts:
+            tp_state.load_model(part, model_state)
+        local = [p for g in self.optimizer.param_groups for p in g["params"]]
+        live_groups = self.optimizer.state_dict()["param_groups"]
+        groups = [dict({k: v for k, v in saved_g.items() if k != "params"}, params=live_g["params"])
+                  for saved_g, live_g in zip(optimizer_state["param_groups"], live_groups, strict=True)]
+        self.optimizer.load_state_dict({"state": tp_state.local_optimizer_state(local, saved), "param_groups": groups})
+
+    def _named_parameters_all(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Every name of every parameter of this rank's parts (a tied weight under both)."""
+        for part in self.parts:
+            yield from part.named_parameters(remove_duplicate=False)
+
+    def final_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights (a collective): on every rank when each holds the whole model (pp = tp
+        = 1), else on global rank 0, assembled from every stage's and tensor-parallel rank's pieces."""
+        state = self.wrapper.state_dict() if self.zero else None  # ZeRO: gathered over the group
+        if self.tp_group is None and self.pp_group is None:
+            return state if state is not None else self.module.state_dict()
+        parts = self.parts if state is None else [self.wrapper.module]
+        return tp_state.gather_full_state(parts, self.tp_rank, active=self.mesh.dp_rank == 0, state=state)

@@ -1,0 +1,122 @@
+"""How one step's micro-batches pass through this rank's model part: the engine's schedule.
+
+The engine (:mod:`shardwise.train.engine`) holds one schedule and asks it for a step; both kinds end with
+the data-parallel wrapper's gradients averaged over its group:
+
+* :class:`OneStage` (``parallel.pp = 1``): each micro-batch's forward and backward in turn, gradients
+  accumulating locally (``no_sync``) until the last backward, during which the wrapper reduces them
+  bucket by bucket as they become ready (overlap, Li et al. 2020 §3.2.3);
+* :class:`PipelineSchedule` (``parallel.pp > 1``): the pipeline schedule (GPipe, 1F1B, interleaved,
+  ZB-H1; :class:`~shardwise.parallel.pipeline.Pipeline`) runs every micro-batch's forward and backward
+  with gradients accumulating, then the wrapper reduces them once, after the flush (Narayanan et al.
+  2021 §3). The last stage's loss is broadcast along the pipeline; each step's timelines are gathered
+  for the measured bubble (§2.2) and ``timeline.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise.parallel.pipeline import (
+    Pipeline,
+    Timeline,
+    bubble_fraction,
+    gather_timelines,
+    theoretical_bubble,
+    zb_h1_bubble,
+)
+from shardwise.train.precision import DynamicLossScaler, autocast_context
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class OneStage:
+    """The whole model part on this rank: ``wrapper(x, y)`` returns the loss of a micro-batch."""
+
+    def __init__(self, wrapper, precision: str, device: torch.device):
+        self.wrapper, self.precision, self.device = wrapper, precision, device
+
+    def run(self, batches: Batches, scaler: DynamicLossScaler | None) -> torch.Tensor:
+        """Forward and backward of every micro-batch (loss / m each, so the gradients are those of the mean);
+        the mean loss of this replica's micro-batches."""
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(batches):
+            last = i == len(batches) - 1
+            with self.wrapper.no_sync() if not last else contextlib.nullcontext():
+                with autocast_context(self.precision, self.device.type):
+                    loss = self.wrapper(x, y)
+                loss_sum += loss.detach()
+                scaled = loss / len(batches)
+                (scaler.scale_loss(scaled) if scaler else scaled).backward()
+        return loss_sum / len(batches)
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with autocast_context(self.precision, self.device.type):
+            return self.wrapper(x, y).double()
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}
+
+    def write_timeline(self, run_dir: Path, step: int) -> None:
+        """Nothing to keep: one stage has no pipeline timeline."""
+
+
+class PipelineSchedule:
+    """This rank's pipeline stages (``pipe``) under a data-parallel wrapper that reduces after the flush."""
+
+    def __init__(self, pipe: Pipeline, wrapper, pp_group: dist.ProcessGroup, stage_ranks: list[int],
+                 schedule: str, device: torch.device):
+        self.pipe, self.wrapper, self.pp_group, self.stage_ranks = pipe, wrapper, pp_group, stage_ranks
+        self.schedule, self.device = schedule, device
+        self.timelines: list[Timeline] = []
+
+    def run(self, batches: Batches, scaler: DynamicLossScaler | None) -> torch.Tensor:
+        """One step of the schedule over the concatenated micro-batches, then the data-parallel average."""
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        self.pipe.loss_scale = scaler.scale if scaler else 1.0
+        with self.wrapper.no_sync():  # gradients accumulate over the schedule ...
+            loss = self.pipe.step(x, y)
+        self.wrapper.reduce_gradients()  # ... and are averaged once, after the flush
+        self.timelines = gather_timelines(self.pipe.timeline, self.pp_group)
+        return self._from_last_stage(loss)
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self._from_last_stage(self.pipe.forward_only(x, y))
+
+    def _from_last_stage(self, loss: torch.Tensor | None) -> torch.Tensor:
+        out = torch.zeros((), dtype=torch.float64, device=self.device) if loss is None else loss.double()
+        dist.broadcast(out, src=self.stage_ranks[-1], group=self.pp_group)
+        return out
+
+    def bubble_theory(self) -> float:
+        """The schedule's idle fraction with equal stages: (p - 1) / (v m + p - 1) for GPipe / 1F1B /
+        interleaved; ZB-H1's with T_F = T_B = T_W (Qi et al. 2024 §3.1)."""
+        p, m, v = self.pipe.p, self.pipe.m, len(self.pipe.chunks)
+        return zb_h1_bubble(p, m) if self.schedule == "zb-h1" else theoretical_bubble(p, m, v)
+
+    def step_metrics(self) -> dict[str, float]:
+        """Measured and theoretical bubble of the last step, and every stage rank's peak live activations."""
+        if not self.timelines:
+            return {}
+        out = {"bubble": bubble_fraction(self.timelines), "bubble_theory": self.bubble_theory()}
+        out.update({f"pp_peak_live_{t.rank}": float(t.peak_live) for t in self.timelines})
+        return out
+
+    def write_timeline(self, run_dir: Path, step: int) -> None:
+        """Keep the last step's timelines as ``timeline.json`` (rank 0 of the world writes)."""
+        if dist.get_rank() != 0 or not self.timelines:
+            return
+        doc = {"step": step, "schedule": self.schedule, "pp": self.pipe.p, "microbatches": self.pipe.m,
+               "virtual": len(self.pipe.chunks), "bubble": bubble_fraction(self.timelines),
+               "bubble_theory": self.bubble_theory(),
+               "timelines": [dataclasses.asdict(t) for t in self.timelines]}
+        tmp = Path(run_dir) / "timeline.json.tmp"
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(Path(run_dir) / "timeline.json")
