@@ -25,6 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardwise.dist.devices import process_group_backend
+
 AXES = ("pp", "dp", "cp", "tp")
 """The axes of the device grid, slowest-varying first."""
 
@@ -68,7 +70,10 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[i
     ``env://`` rendezvous does). ``timeout_s`` bounds rendezvous and every collective.
 
     ``backend="auto"`` picks nccl when CUDA is available (and makes ``cuda:local_rank``
-    the current device), gloo otherwise; the returned device follows the backend.
+    the current device), gloo otherwise; the returned device follows the backend. With nccl the
+    group is created as ``"cpu:gloo,cuda:nccl"`` (:func:`~shardwise.dist.devices.process_group_backend`):
+    CUDA tensors go over nccl, the small CPU exchanges (RNG states, metadata checks) over gloo, and
+    every group made from it (``dist.new_group``, the mesh's ``DeviceMesh``) inherits both.
     """
     timeout = timedelta(seconds=timeout_s)
     if dist.is_initialized():
@@ -79,7 +84,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[i
     backend = resolve_backend(backend)
     if "RANK" not in os.environ:
         device = _device_for(backend, 0)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(process_group_backend(backend), store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
         return 0, 1, 0, device
 
     missing = [k for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -100,7 +106,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[i
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"restart{attempt}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(process_group_backend(backend), store=store, rank=rank, world_size=world,
+                            timeout=timeout)
     return rank, world, local_rank, device
 
 
