@@ -56,7 +56,7 @@ def test_guard_fails_a_cpu_tensor_on_an_nccl_group():
 
 def _host_exchanges(declared: str) -> str:
     """Every host-side exchange the issue names, as it runs under ``declared``."""
-    from shardwise.dist.comm import all_reduce
+    from shardwise.dist.comm import all_reduce, barrier
     from shardwise.dist.comm.compress import GradientAllReduce
     from shardwise.dist.comm.cost import calibrate
     from shardwise.dist.comm.p2p import verify_same
@@ -68,6 +68,7 @@ def _host_exchanges(declared: str) -> str:
         assert len(states) == dist.get_world_size() and all(s.device.type == "cpu" for s in states)
         verify_same(None, "all_reduce/ring", torch.ones(3), "sum")
         all_reduce(torch.ones(5), "sum", None, "ring")  # verify=True: the metadata check on the way
+        barrier(None, "dissemination")  # its tokens
         calibrate(None, small=8, large=1 << 16, reps=1)  # _agree, its buffers, all_gather_object of hosts
         flat = torch.ones(64)
         for compression in ("topk", "int8"):
