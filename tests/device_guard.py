@@ -103,11 +103,13 @@ def _guarded(name: str, fn):
 def install() -> None:
     """Wrap every function of :data:`GUARDED` in ``torch.distributed`` and ``distributed_c10d`` (idempotent)."""
     for name in GUARDED:
+        fn = getattr(c10d, name, None) or getattr(dist, name, None)
+        if fn is None or getattr(fn, "device_guard", False):
+            continue
+        guarded = _guarded(name, fn)  # one object under both names: P2POp checks `op in (isend, irecv)`
         for module in (dist, c10d):
-            fn = getattr(module, name, None)
-            if fn is None or getattr(fn, "device_guard", False):
-                continue
-            setattr(module, name, _guarded(name, fn))
+            if getattr(module, name, None) is fn:
+                setattr(module, name, guarded)
 
 
 def installed() -> bool:
