@@ -11,7 +11,8 @@ group's backend serves (``dist.get_backend_config``: "cpu:gloo,cuda:gloo" for gl
 
 A test can *declare* what a group's backend is, to check on CPU that code would be legal on a GPU
 machine: inside ``declared_backend(group, "cuda:nccl")`` the guard treats ``group`` as NCCL-only,
-so any CPU tensor sent on it fails the test with :class:`DeviceGuardError`.
+so any CPU tensor sent on it fails the test with :class:`DeviceGuardError`. A CUDA tensor handed to
+gloo's point-to-point (which takes CPU tensors only) fails it too.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ GUARDED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter
 """The torch.distributed functions the guard wraps (those absent in this torch are skipped)."""
 
 
+GLOO_CPU_ONLY = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+"""gloo's point-to-point takes CPU tensors only (the backend table of the torch.distributed docs: gloo
+GPU send/recv ✘), although gloo serves CUDA tensors for all-reduce and broadcast."""
+
+
 class DeviceGuardError(RuntimeError):
     """A tensor on a device the group's backend does not serve reached a collective."""
 
@@ -41,10 +47,6 @@ _declared: dict[str, str] = {}
 def _config(group) -> str:
     group = group if group is not None else c10d._get_default_group()
     return _declared.get(group.group_name) or dist.get_backend_config(group)
-
-
-def _served(config: str) -> set[str]:
-    return {part.split(":", 1)[0].strip() for part in config.split(",") if ":" in part}
 
 
 @contextlib.contextmanager
@@ -73,12 +75,18 @@ def _tensors(value):
 def check(name: str, tensors, group) -> None:
     """Raise :class:`DeviceGuardError` unless every tensor's device type is served on ``group``."""
     config = _config(group)
-    served = _served(config)
+    backends = {part.split(":", 1)[0].strip(): part.split(":", 1)[1].strip()
+                for part in config.split(",") if ":" in part}
     for t in tensors:
-        if t.device.type not in served:
+        kind = t.device.type
+        if kind not in backends:
             raise DeviceGuardError(
-                f"torch.distributed.{name}: a {t.device.type} tensor {tuple(t.shape)} {t.dtype} reached a group "
-                f"whose backend ({config}) serves only {', '.join(sorted(served))} tensors")
+                f"torch.distributed.{name}: a {kind} tensor {tuple(t.shape)} {t.dtype} reached a group "
+                f"whose backend ({config}) serves only {', '.join(sorted(backends))} tensors")
+        if kind != "cpu" and backends[kind] == "gloo" and name in GLOO_CPU_ONLY:
+            raise DeviceGuardError(
+                f"torch.distributed.{name}: a {kind} tensor {tuple(t.shape)} {t.dtype} reached gloo's "
+                f"point-to-point ({config}), which takes CPU tensors only")
 
 
 def _guarded(name: str, fn):

@@ -7,6 +7,8 @@ group that way (or NCCL-only) so that the guard checks what each call would hand
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -99,3 +101,35 @@ def test_mesh_groups_inherit_the_default_groups_backends():
     # under nccl the default group's "cpu:gloo,cuda:nccl" is what every axis group gets; here gloo's
     for configs in run_on_ranks(2, _subgroups_inherit):
         assert configs == ["cpu:gloo,cuda:gloo"] * 4
+
+
+class _CudaStandIn:
+    """What the guard reads of a tensor, on a CUDA device this CPU machine does not have."""
+
+    device, shape, dtype = torch.device("cuda", 0), torch.Size([4]), torch.float32
+
+
+def _guard_on_cuda_tensors() -> list[str]:
+    verdicts = []
+    for name, config in [("all_reduce", None), ("broadcast", None), ("isend", None), ("batch_isend_irecv", None),
+                         ("all_reduce", NCCL_DEFAULT), ("isend", NCCL_DEFAULT), ("all_reduce", "cpu:gloo")]:
+        with contextlib.ExitStack() as stack:
+            if config:
+                stack.enter_context(device_guard.declared_backend(None, config))
+            try:
+                device_guard.check(name, [_CudaStandIn()], None)
+                verdicts.append("ok")
+            except device_guard.DeviceGuardError as e:
+                verdicts.append(str(e))
+    return verdicts
+
+
+def test_guard_knows_what_gloo_and_nccl_take_on_cuda():
+    """gloo serves CUDA all-reduce and broadcast but not point-to-point; nccl serves both; a group
+    without a CUDA backend serves neither."""
+    got = run_on_ranks(2, _guard_on_cuda_tensors)[0]  # the 2-rank pool the other tests use
+    p2p = "a cuda tensor (4,) torch.float32 reached gloo's point-to-point (cpu:gloo,cuda:gloo), which takes CPU"
+    assert got[:2] == ["ok", "ok"] and got[4:6] == ["ok", "ok"], got
+    assert got[2].startswith("torch.distributed.isend: " + p2p), got[2]
+    assert got[3].startswith("torch.distributed.batch_isend_irecv: " + p2p), got[3]
+    assert "reached a group whose backend (cpu:gloo) serves only cpu tensors" in got[6], got[6]
