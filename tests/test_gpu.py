@@ -5,8 +5,10 @@ run them with ``python -m pytest -q -m gpu tests/test_gpu.py`` on a GPU machine.
 
 One GPU hosts one NCCL rank only (NCCL refuses two ranks on one device), so the single-rank NCCL runs
 happen in one spawned process of their own (an NCCL default group, "cpu:gloo,cuda:nccl", as
-``shardwise train`` makes it), the multi-rank ones on the harness's gloo ranks sharing the GPU, and
-the pipeline (pp = 2) and multi-rank ZeRO on NCCL only where there are two GPUs, through the CLI.
+``shardwise train`` makes it), the multi-rank ones (data parallel, pipeline) on the harness's gloo
+ranks sharing the GPU, and the pipeline and multi-rank ZeRO on NCCL only where there are two GPUs,
+through the CLI. ZeRO on two gloo ranks with CUDA tensors is not run: on gloo it exchanges its blocks
+point-to-point, which gloo does on CPU tensors only.
 
 References are the same runs on the CPU (fp32; the GPU's matmuls and attention kernels sum in
 another order, so losses agree to 2e-3 and weights to 1e-2 rather than exactly), and the GPU
@@ -152,9 +154,12 @@ def test_cpu_offload_uses_pinned_buffers_and_a_side_stream(nccl_process):
     assert got == dict.fromkeys(got, True), got
 
 
-def test_two_gloo_ranks_with_cuda_tensors_equal_the_cpu(cpu_reference, tmp_path, cache_dir):
-    """Data parallelism on two harness ranks sharing the GPU: gloo's CUDA all-reduce and broadcast."""
-    result = run(tmp_path, cache_dir, "gloo-cuda", 2, **{"run.device": "cuda", "parallel.backend": "gloo"})
+@pytest.mark.parametrize("overrides", [{}, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}], ids=["dp2", "pp2"])
+def test_two_gloo_ranks_with_cuda_tensors_equal_the_cpu(cpu_reference, tmp_path, cache_dir, overrides):
+    """Two harness ranks sharing the GPU: data parallelism (gloo's CUDA all-reduce and broadcast), and the
+    pipeline, whose activations travel through host memory (gloo's point-to-point takes CPU tensors)."""
+    result = run(tmp_path, cache_dir, "gloo-cuda", 2, **{"run.device": "cuda", "parallel.backend": "gloo"},
+                 **overrides)
     assert_close(result, cpu_reference, *CPU_FROM_GPU)
 
 
