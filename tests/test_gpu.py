@@ -7,8 +7,8 @@ One GPU hosts one NCCL rank only (NCCL refuses two ranks on one device), so the 
 happen in one spawned process of their own (an NCCL default group, "cpu:gloo,cuda:nccl", as
 ``shardwise train`` makes it), the multi-rank ones (data parallel, pipeline) on the harness's gloo
 ranks sharing the GPU, and the pipeline and multi-rank ZeRO on NCCL only where there are two GPUs,
-through the CLI. ZeRO on two gloo ranks with CUDA tensors is not run: on gloo it exchanges its blocks
-point-to-point, which gloo does on CPU tensors only.
+through the CLI. ZeRO on two gloo ranks with CUDA tensors is not run: it would call gloo's reduce-scatter
+and all-gather on CUDA tensors, which torch's backend table lists as unsupported.
 
 References are the same runs on the CPU (fp32; the GPU's matmuls and attention kernels sum in
 another order, so losses agree to 2e-3 and weights to 1e-2 rather than exactly), and the GPU
