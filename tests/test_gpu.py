@@ -104,7 +104,7 @@ def test_every_engine_on_one_nccl_rank(nccl_process, gpu_reference, tmp_path, ca
 def test_bf16_autocast_on_the_gpu(nccl_process, gpu_reference, tmp_path, cache_dir):
     losses, state = on_gpu(nccl_process, tmp_path, cache_dir, "bf16", **{"train.precision": "bf16"})
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(gpu_reference[0]), atol=0.05, rtol=0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(gpu_reference[0]), atol=0.1, rtol=0)  # bf16: 2^-8
     assert all(v.dtype == torch.float32 for v in state.values())  # fp32 weights, bf16 compute
 
 
