@@ -17,6 +17,11 @@ Failure modes never hang the suite:
     call) and ``TimeoutError`` names the function;
   * a worker dies -> ``RuntimeError`` with its exit code, and the pool is replaced.
 
+Every worker runs with :mod:`tests.device_guard` installed: a tensor handed to a collective of a
+group whose backend does not serve its device (a CPU tensor on an NCCL group, as it would run on a
+GPU machine; ``device_guard.declared_backend`` lets a test declare a group's backend) fails the test
+with ``DeviceGuardError``.
+
 Between calls the workers meet at a ``dist.barrier()``, so a test starts clean. A test
 that needs its own process group can create one with ``dist.new_group`` (all ranks of
 the pool take part).
@@ -57,6 +62,9 @@ def _worker(rank: int, world_size: int, port: int, conn, sys_path: list[str]) ->
                           timeout=timedelta(seconds=_PG_TIMEOUT_S))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=_PG_TIMEOUT_S))
+    from tests import device_guard
+
+    device_guard.install()  # a tensor on a device its group's backend cannot take fails the test
     conn.send_bytes(pickle.dumps(("ready", None)))
     while True:
         try:

@@ -237,6 +237,7 @@ PROOFS: dict[str, tuple] = {
     "train.recompute": (reads("parallel/parallelize.py"),),
     "train.recompute_every": (reads("parallel/parallelize.py"),
                               Refused({"train.recompute_every": 2}, "but train.recompute='none'")),
+    "train.compile": (reads("parallel/parallelize.py"),),
     "train.eval_every": (reads("train/loop.py"),),
     "train.eval_batches": (reads("train/loop.py"),),
     "train.peak_flops": (reads("train/loop.py"),),

@@ -157,6 +157,9 @@ class TrainConfig:
     (recompute only each block's attention core, Korthikanti et al. 2022 §5)."""
     recompute_every: int = 1
     """With recompute = "full": checkpoint every k-th block (1 = every block)."""
+    compile: bool = False
+    """Compile each transformer block's forward with torch.compile (after tensor parallelism and
+    recompute; state dicts unchanged). The first step pays the compilation."""
     eval_every: int = 50
     """Validation loss every N steps (and at the end; 0 = only at the end)."""
     eval_batches: int = 8
@@ -256,7 +259,8 @@ class RunConfig:
     dir: str = ""
     """Run directory; default runs/<preset>-<date>-<time> (with runs/latest pointing at it)."""
     device: str = "auto"
-    """"auto" (cuda if available), "cpu" (gloo workers, 2 by default) or "cuda" (nccl, one worker per GPU)."""
+    """"auto" (cuda if available), "cpu" (gloo workers, 2 by default) or "cuda" (nccl, one worker per GPU;
+    with parallel.backend gloo: CUDA tensors on gloo, for the collectives gloo has on CUDA)."""
     progress: bool = True
     """Show a progress bar on the terminal."""
     tensorboard: bool = True

@@ -25,6 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardwise.dist.devices import process_group_backend
+
 AXES = ("pp", "dp", "cp", "tp")
 """The axes of the device grid, slowest-varying first."""
 
@@ -44,14 +46,18 @@ def resolve_backend(backend: str = "auto") -> str:
     return backend
 
 
-def _device_for(backend: str, local_rank: int) -> torch.device:
-    if "nccl" in backend:
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+def _device_for(backend: str, local_rank: int, device: str = "auto") -> torch.device:
+    """nccl, or ``device="cuda"`` (gloo with CUDA tensors): ``cuda:local_rank`` (modulo the GPUs there
+    are, so two gloo ranks can share one GPU), made current; otherwise the CPU."""
+    if device == "cuda" or (device == "auto" and "nccl" in backend):
+        index = local_rank % max(torch.cuda.device_count(), 1)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[int, int, int, torch.device]:
+def init_distributed(backend: str = "auto", timeout_s: float = 600.0,
+                     device: str = "auto") -> tuple[int, int, int, torch.device]:
     """Initialise this worker's default process group; return ``(rank, world_size, local_rank, device)``.
 
     * Already initialised (e.g. by a test harness): return what exists.
@@ -68,26 +74,32 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[i
     ``env://`` rendezvous does). ``timeout_s`` bounds rendezvous and every collective.
 
     ``backend="auto"`` picks nccl when CUDA is available (and makes ``cuda:local_rank``
-    the current device), gloo otherwise; the returned device follows the backend.
+    the current device), gloo otherwise; the returned device follows the backend. With nccl the
+    group is created as ``"cpu:gloo,cuda:nccl"`` (:func:`~shardwise.dist.devices.process_group_backend`):
+    CUDA tensors go over nccl, the small CPU exchanges (RNG states, metadata checks) over gloo, and
+    every group made from it (``dist.new_group``, the mesh's ``DeviceMesh``) inherits both.
+    ``device`` (``run.device``): "cuda" puts the tensors on the GPU whatever the backend (gloo with
+    CUDA tensors, for the collectives gloo implements on CUDA), "cpu" on the CPU, "auto" follows it.
     """
     timeout = timedelta(seconds=timeout_s)
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        return rank, world, local_rank, _device_for(dist.get_backend(), local_rank)
+        return rank, world, local_rank, _device_for(dist.get_backend(), local_rank, device)
 
     backend = resolve_backend(backend)
     if "RANK" not in os.environ:
-        device = _device_for(backend, 0)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return 0, 1, 0, device
+        dev = _device_for(backend, 0, device)
+        dist.init_process_group(process_group_backend(backend), store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return 0, 1, 0, dev
 
     missing = [k for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(f"RANK is set but {', '.join(missing)} is not; launch workers with torchrun")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = _device_for(backend, local_rank)
+    dev = _device_for(backend, local_rank, device)
     use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -100,8 +112,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[i
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"restart{attempt}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return rank, world, local_rank, device
+    dist.init_process_group(process_group_backend(backend), store=store, rank=rank, world_size=world,
+                            timeout=timeout)
+    return rank, world, local_rank, dev
 
 
 # ---- axis sizes -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ for Llama does the same; DESIGN.md "How layouts compose"):
 2. context parallelism and experts plug in here (not implemented yet; refused by the config);
 3. activation recomputation, full or selective (:mod:`shardwise.train.recompute`), around what the
    previous steps produced;
+4. ``torch.compile`` of each block (``train.compile``, :mod:`shardwise.parallel.compile`);
 
 then the caller cuts pipeline stages (a pipeline builds each stage from the plain model first and
 runs this function on every stage) and wraps the result in a data-parallel wrapper (plain or ZeRO)
@@ -21,16 +22,19 @@ from torch import nn
 
 from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import Mesh
+from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.plan import apply_tensor_parallel
 from shardwise.train.recompute import apply_recompute
 
 
 def parallelize(part: nn.Module, mesh: Mesh, cfg, ledger: CommLedger) -> nn.Module:
     """Rewrite ``part`` (a :class:`~shardwise.model.Transformer` or a pipeline stage of one, holding real
-    values) in place for this rank: TP/SP -> (CP, EP) -> recompute. Collectives record into
+    values) in place for this rank: TP/SP -> (CP, EP) -> recompute -> compile. Collectives record into
     ``ledger[axis]``. Returns ``part``."""
     if mesh.size("tp") > 1:
         apply_tensor_parallel(part, mesh.group("tp"), ledger["tp"],
                               sequence_parallel=cfg.parallel.sequence_parallel, cfg=cfg.model)
     apply_recompute(part, cfg.train.recompute, cfg.train.recompute_every)
+    if cfg.train.compile:
+        apply_compile(part)
     return part

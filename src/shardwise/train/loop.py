@@ -50,7 +50,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     weights; ``stop_after`` ends the run after that optimizer step as an interruption would
     (the schedule still spans ``train.steps``), for resume tests.
     """
-    rank, world, _local_rank, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+    rank, world, _local_rank, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.run.device)
     dims = ParallelDims.from_config(cfg.parallel, world)
     mesh = dims.build(device.type)
     dp_group, dp_rank, dp_size = mesh.dp_group, mesh.dp_rank, mesh.dp_size

@@ -14,19 +14,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shardwise.dist.devices import exchange_device
 from shardwise.train.checkpoint import CheckpointError, load_checkpoint, read_state
 from shardwise.train.optim_state import optimizer_state_from_tensors, optimizer_state_to_tensors
 from shardwise.train.sharded import Piece, ShardedReader, whole
 
 
 def gather_rng_states() -> list[torch.Tensor]:
-    """Every rank's CPU RNG state (and CUDA, concatenated), gathered on all ranks."""
+    """Every rank's CPU RNG state (and CUDA, concatenated), gathered on all ranks, returned on the CPU.
+
+    The states are host tensors; they travel on the device the default group takes host-side
+    exchanges on (the CPU over gloo, also beside nccl; an nccl-only group: the GPU)."""
     state = torch.get_rng_state()
     if torch.cuda.is_available():
         state = torch.cat([state, torch.cuda.get_rng_state()])
+    state = state.to(exchange_device())
     gathered = [torch.empty_like(state) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, state)
-    return gathered
+    return [g.cpu() for g in gathered]
 
 
 def rng_pieces(rng_states: list[torch.Tensor]) -> list[Piece]:

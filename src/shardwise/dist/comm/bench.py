@@ -56,19 +56,20 @@ def parse_sizes(text: str) -> list[int]:
     return [parse_size(t) for t in text.split(",") if t]
 
 
-def run_collective(collective: str, algorithm: str, nbytes: int, group, n: int, verify: bool = False):
-    """A closure performing one ``collective`` of ``nbytes`` (fp32) with ``algorithm``
-    (without the per-call metadata check unless ``verify``: benchmarks time the algorithm)."""
+def run_collective(collective: str, algorithm: str, nbytes: int, group, n: int, verify: bool = False,
+                   device: torch.device | None = None):
+    """A closure performing one ``collective`` of ``nbytes`` (fp32, on ``device``, default CPU) with
+    ``algorithm`` (without the per-call metadata check unless ``verify``: benchmarks time the algorithm)."""
     from . import all_gather, all_reduce, all_to_all, barrier, broadcast, gather, reduce, reduce_scatter, scatter
 
     rooted = collective in ("broadcast", "reduce")
     count = max(nbytes // 4, 1) if rooted else max(nbytes // 4 // n, 1) * n
     rank = dist.get_rank(group)
-    x = torch.randn(count)
+    x = torch.randn(count, device=device)
     if collective == "all_reduce":
         return lambda: all_reduce(x, "sum", group, algorithm, verify=verify)
     if collective == "reduce_scatter":
-        out = torch.empty(count // n)
+        out = torch.empty(count // n, device=device)
         return lambda: reduce_scatter(out, x, "sum", group, algorithm, verify=verify)
     if collective == "all_gather":
         inp = x[:count // n].clone()
@@ -84,7 +85,7 @@ def run_collective(collective: str, algorithm: str, nbytes: int, group, n: int, 
         part = x[:count // n].clone()
         return lambda: gather(part, x if rank == 0 else None, 0, group, algorithm, verify=verify)
     if collective == "scatter":
-        part = torch.empty(count // n)
+        part = torch.empty(count // n, device=device)
         return lambda: scatter(part, x if rank == 0 else None, 0, group, algorithm, verify=verify)
     if collective == "barrier":
         return lambda: barrier(group, algorithm)

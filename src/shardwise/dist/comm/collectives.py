@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..devices import exchange_device
 from .allreduce import _NATIVE_OPS
 from .counting import nbytes
 from .p2p import (
@@ -315,7 +316,8 @@ def barrier(group=None, algorithm: str = "dissemination", *, timeout_s=None, sta
     if algorithm == "native":
         dist.barrier(group=group)
         return
-    token, got = torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
+    device = exchange_device(group)  # the CPU, over gloo beside nccl
+    token, got = torch.zeros(1, dtype=torch.uint8, device=device), torch.zeros(1, dtype=torch.uint8, device=device)
     k = 1
     while k < c.size:
         w = irecv(c, got, (c.me - k) % c.size)

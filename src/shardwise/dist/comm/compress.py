@@ -102,12 +102,12 @@ class GradientAllReduce:
         the backend's own collectives' wire traffic is not visible, only what they were handed)."""
         return self.stats.pop()
 
-    def _resolve(self, size: int, group) -> str:
+    def _resolve(self, size: int, group, device: torch.device) -> str:
         if self.algorithm != "auto":
             return self.algorithm
         key = id(group)
         if key not in self._models:  # collective: every rank reaches its first bucket in the same order
-            self._models[key] = calibrate(group, large=min(max(4 << 20, size), 64 << 20))
+            self._models[key] = calibrate(group, large=min(max(4 << 20, size), 64 << 20), device=device)
         return self.choices.setdefault(size, self._models[key].choose("all_reduce", size,
                                                                         node_size=self.node_size))
 
@@ -126,7 +126,7 @@ class GradientAllReduce:
             return None
         if self.compression in ("none", "fp16", "bf16"):
             wire = flat if self.compression == "none" else flat.to(_HALF[self.compression])
-            alg = self._resolve(nbytes(wire), group)
+            alg = self._resolve(nbytes(wire), group, flat.device)
             if alg == "native" and wire is flat:  # the backend's own, asynchronous: overlaps the rest of backward
                 self.stats.hand(nbytes(flat), backend=True)
                 return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -150,14 +150,15 @@ class GradientAllReduce:
                    verify=self._first("all_gather", id(group), inp.numel(), inp.dtype))
 
     def _topk(self, flat: torch.Tensor, group, n: int, native: bool, key: tuple) -> None:
-        residual = self._residual.setdefault(key, torch.zeros(flat.numel(), dtype=torch.float32))
+        residual = self._residual.setdefault(key, torch.zeros(flat.numel(), dtype=torch.float32,
+                                                                          device=flat.device))
         v = residual.add_(flat.float())  # the gradient plus what earlier steps left behind
         k = max(1, min(flat.numel(), math.ceil(flat.numel() * self.topk_ratio)))
         idx = v.abs().topk(k, sorted=False).indices.to(torch.int32)
         vals = v[idx]
         v[idx] = 0  # sent now; the rest stays in the residual
         packet = torch.cat([idx.view(torch.uint8), vals.view(torch.uint8)])
-        everyone = torch.empty(n * packet.numel(), dtype=torch.uint8)
+        everyone = torch.empty(n * packet.numel(), dtype=torch.uint8, device=flat.device)
         self._gather(everyone, packet, group, n, native)
         flat.zero_()
         for row in everyone.view(n, -1):  # in rank order: identical on every rank
@@ -167,8 +168,8 @@ class GradientAllReduce:
         c = self.int8_chunk
         numel = flat.numel()
         B = math.ceil(math.ceil(numel / n) / c) * c  # each rank's block, a whole number of chunks
-        worker = self._residual.setdefault(key, torch.zeros(n * B))
-        server = self._residual.setdefault((*key, "server"), torch.zeros(B))
+        worker = self._residual.setdefault(key, torch.zeros(n * B, device=flat.device))
+        server = self._residual.setdefault((*key, "server"), torch.zeros(B, device=flat.device))
         worker[:numel].add_(flat.float())
         q, scale = quantize_int8(worker, c)
         worker.sub_(dequantize_int8(q, scale, c))  # worker error feedback
@@ -178,14 +179,14 @@ class GradientAllReduce:
                    timeout_s=self.timeout_s,
                    verify=self._first("all_to_all", id(group), packets.numel(), packets.dtype))
         block = server  # my block: the sum of every rank's dequantized piece, in rank order, plus my error
-        total = torch.zeros(B)
+        total = torch.zeros(B, device=flat.device)
         for row in received:
             total.add_(self._unpack(row, B))
         block.add_(total)
         q2, s2 = quantize_int8(block, c)
         block.sub_(dequantize_int8(q2, s2, c))  # server error feedback
         mine = self._pack(q2.view(1, B), s2.view(1, -1))[0]
-        everyone = torch.empty(n * mine.numel(), dtype=torch.uint8)
+        everyone = torch.empty(n * mine.numel(), dtype=torch.uint8, device=flat.device)
         self._gather(everyone, mine, group, n, native)
         result = torch.cat([self._unpack(row, B) for row in everyone.view(n, -1)])
         flat.copy_(result[:numel])

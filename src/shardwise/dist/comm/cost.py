@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from ..devices import data_device, exchange_device, synchronize
 from .allreduce import ALL_REDUCE_ALGORITHMS, torus_shape
 from .collectives import ALGORITHMS
 from .p2p import DEFAULT_CHUNK_BYTES, exchange, largest_pow2, make_comm
@@ -222,20 +223,24 @@ def choose(collective: str, nbytes: float, group: dist.ProcessGroup | None = Non
     return model.choose(collective, nbytes, candidates, node_size)
 
 
-def _time(fn, reps: int) -> float:
-    """Best of ``reps`` (after a warm-up): on a shared machine noise only adds time."""
+def _time(fn, reps: int, device: torch.device | None = None) -> float:
+    """Best of ``reps`` (after a warm-up): on a shared machine noise only adds time. On a GPU
+    ``device`` each run is waited for (its kernels are asynchronous)."""
+    device = device or torch.device("cpu")
     fn()
     samples = []
     for _ in range(reps):
+        synchronize(device)
         t0 = time.perf_counter()
         fn()
+        synchronize(device)
         samples.append(time.perf_counter() - t0)
     return min(samples)
 
 
 def _agree(group, values: list[float]) -> list[float]:
     """The maximum over ranks, so every rank holds the same model (and makes the same choices)."""
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=exchange_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 
@@ -275,7 +280,7 @@ def relative_errors(predicted: list[float], measured: list[float]) -> list[float
 
 
 def calibrate(group: dist.ProcessGroup | None = None, small: int = 8, large: int = 4 << 20, reps: int = 5,
-              collectives: tuple[str, ...] = ("all_reduce",)) -> CostModel:
+              collectives: tuple[str, ...] = ("all_reduce",), device: torch.device | None = None) -> CostModel:
     """Measure alpha, beta and gamma on ``group`` (collective: every rank calls it).
 
     Every quantity is measured at several sizes (:func:`calibration_sizes`, ``small`` .. ``large``)
@@ -291,7 +296,9 @@ def calibrate(group: dist.ProcessGroup | None = None, small: int = 8, large: int
     relative error of these fits. Best of ``reps`` runs per point, then the maximum over ranks (so
     every rank holds the same model and makes the same choices). The fit is linear, so sizes beyond
     ``large`` are extrapolated: pass the largest size you care about as ``large``
-    (``shardwise bench comm`` does).
+    (``shardwise bench comm`` does). The buffers live on ``device`` (default: where the group's
+    data lives, :func:`~shardwise.dist.devices.data_device` -- the GPU under nccl), so the model
+    describes the transfers it will choose for.
     """
     from .allreduce import all_reduce
 
@@ -301,17 +308,19 @@ def calibrate(group: dist.ProcessGroup | None = None, small: int = 8, large: int
     c = make_comm(group, "calibrate", chunk_bytes=1 << 62)
     right, left = (c.me + 1) % n, (c.me - 1) % n
     sizes = calibration_sizes(small, large)
-    big_a, big_b = torch.zeros(max(large // 4, 1)), torch.zeros(max(large // 4, 1))
+    device = device or data_device(group)
+    big_a, big_b = (torch.zeros(max(large // 4, 1), device=device) for _ in range(2))
     shift, add, ring, copy = [], [], [], []
     for b in sizes:
         sa, sb = big_a[:max(b // 4, 1)], big_b[:max(b // 4, 1)]
-        shift.append(_time(lambda sa=sa, sb=sb: exchange(c, sa, right, sb, left), reps * (4 if b < 65536 else 1)))
-        add.append(_time(lambda sa=sa, sb=sb: sb.add_(sa), reps))
-        copy.append(_time(lambda sa=sa: torch.empty_like(sa).copy_(sa), reps))
-        ring.append(_time(lambda sb=sb: all_reduce(sb, group=group, algorithm="ring", verify=False), reps))
+        shift.append(_time(lambda sa=sa, sb=sb: exchange(c, sa, right, sb, left), reps * (4 if b < 65536 else 1),
+                           device))
+        add.append(_time(lambda sa=sa, sb=sb: sb.add_(sa), reps, device))
+        copy.append(_time(lambda sa=sa: torch.empty_like(sa).copy_(sa), reps, device))
+        ring.append(_time(lambda sb=sb: all_reduce(sb, group=group, algorithm="ring", verify=False), reps, device))
     natives = []
     for coll in collectives:
-        natives += [_time(run_collective_native(coll, b, group, n), reps) for b in sizes]
+        natives += [_time(run_collective_native(coll, b, group, n, device), reps, device) for b in sizes]
     k = len(sizes)
     values = _agree(group, shift + add + ring + natives + copy)
     shift, add, ring, copy = values[:k], values[k:2 * k], values[2 * k:3 * k], values[-k:]
@@ -347,8 +356,8 @@ def _worst_error(model: CostModel, collective: str, algorithm: str, sizes: list[
     return max(abs(e) for e in relative_errors(pred, times))
 
 
-def run_collective_native(collective: str, nbytes: int, group, n: int):
+def run_collective_native(collective: str, nbytes: int, group, n: int, device: torch.device | None = None):
     """A closure running the backend's own ``collective`` on ``nbytes`` (see :func:`.bench.run_collective`)."""
     from .bench import run_collective
 
-    return run_collective(collective, "native", nbytes, group, n)
+    return run_collective(collective, "native", nbytes, group, n, device=device)

@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..devices import exchange_device
 from .counting import CommStats
 
 OPS = ("sum", "avg", "max", "min")
@@ -245,9 +246,11 @@ def verify_same(group: dist.ProcessGroup | None, name: str, t: torch.Tensor, op:
     confused by the very mismatch it looks for). Every rank raises the same ``ValueError``.
     With ``timeout_s`` the all-gather is waited for at most that long (a rank that never comes
     gives a ``TimeoutError`` naming ``name``, instead of the process group's own timeout).
+    The four integers live where the group takes host-side exchanges (the CPU, over gloo beside
+    nccl; :func:`~shardwise.dist.devices.exchange_device`), whatever device ``t`` is on.
     """
     meta = torch.tensor([t.numel(), _DTYPE_CODES.get(t.dtype, 0), OPS.index(op) if op in OPS else -1, extra],
-                        dtype=torch.int64)
+                        dtype=torch.int64, device=exchange_device(group))
     n = dist.get_world_size(group)
     out = [torch.empty_like(meta) for _ in range(n)]
     work = dist.all_gather(out, meta, group=group, async_op=True)

@@ -214,8 +214,8 @@ class Pipeline:
                 continue
             if s > 0 and (s - 1) % self.p != self.rank:  # the previous stage lives on another rank
                 x = torch.empty(act_shape, dtype=self.act_dtype, device=self.device)
-                dist.recv(x, self.comm.stage_ranks[(s - 1) % self.p], self.comm.group,
-                          tag=message_tag(RECV_F, s, self.m + 2, self.n_stages))
+                self.comm.exchange([], [(x, self.comm.stage_ranks[(s - 1) % self.p],
+                                         message_tag(RECV_F, s, self.m + 2, self.n_stages))], count=False)
             last = s == self.n_stages - 1
             with self.forward_context():
                 out = self.chunks[chunk](inputs if s == 0 else x, targets if last else None)
@@ -223,8 +223,8 @@ class Pipeline:
                 return out.float()
             x = out.to(self.act_dtype)
             if (s + 1) % self.p != self.rank:
-                dist.send(x, self.comm.stage_ranks[(s + 1) % self.p], self.comm.group,
-                          tag=message_tag(SEND_F, s + 1, self.m + 2, self.n_stages))
+                self.comm.exchange([(x, self.comm.stage_ranks[(s + 1) % self.p],
+                                     message_tag(SEND_F, s + 1, self.m + 2, self.n_stages))], [], count=False)
         return None
 
     def _sync_tied_grads(self, tl: Timeline) -> None:
@@ -244,11 +244,8 @@ class Pipeline:
         other = torch.empty_like(w.grad)
         tag = message_tag("tied", 0, self.m + 1, self.n_stages)
         with tl.record("wait", self.stage(c), -1):
-            ops = [dist.P2POp(dist.isend, w.grad, self.comm.stage_ranks[peer], self.comm.group, tag),
-                   dist.P2POp(dist.irecv, other, self.comm.stage_ranks[peer], self.comm.group, tag)]
-            self.comm.count_send(w.grad)
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            peer_rank = self.comm.stage_ranks[peer]
+            self.comm.exchange([(w.grad, peer_rank, tag)], [(other, peer_rank, tag)])
         w.grad.add_(other)
 
 

@@ -9,7 +9,9 @@
   Training", §4): fp32 master pieces and the optimizer step on CPU; each unit's gradient slice
   is copied to CPU as soon as its reduce-scatter has finished, while backward goes on (§4.2: on a
   GPU into pinned memory with a non-blocking copy on a side stream, so the transfer overlaps the
-  remaining backward); updated pieces are copied back into the (device) shard.
+  remaining backward); updated pieces are copied back into the (device) shard -- on a GPU the
+  masters are pinned too and the copy back is non-blocking on the same side stream, which the
+  compute stream waits for before the next forward.
 * ``"disk"``: ZeRO-Infinity style (Rajbhandari et al. 2021, "ZeRO-Infinity", §5): master pieces
   and optimizer states live in files under ``offload_dir`` and are streamed in and out one unit
   at a time by the optimizer step (:mod:`.disk`); gradients reach CPU as with ``"cpu"``.
@@ -45,6 +47,9 @@ class MasterStore:
                     m = src.detach()
                 elif offload == "disk":  # hollow until streamed in (DiskStream)
                     m = torch.empty(0, dtype=torch.float32)
+                elif offload == "cpu" and src.is_cuda:  # pinned, so the write-back can be asynchronous
+                    m = torch.empty(pc.numel, dtype=torch.float32, pin_memory=True)
+                    m.copy_(src.detach())
                 else:
                     device = torch.device("cpu") if offload == "cpu" else src.device
                     m = src.detach().to(device=device, dtype=torch.float32, copy=True)
@@ -116,8 +121,19 @@ class MasterStore:
         disk offload the streamed step has done so unit by unit."""
         if not self.separate or self.disk is not None:
             return
-        for u, pc, m in self.entries:
-            u.shard[pc.shard_offset:pc.shard_offset + pc.numel].copy_(m)
+        stream = self._copy_stream
+        if stream is None:
+            for u, pc, m in self.entries:
+                u.shard[pc.shard_offset:pc.shard_offset + pc.numel].copy_(m)
+            return
+        # CPU offload on a GPU: non-blocking copies from the pinned masters on the side stream, after
+        # whatever the compute stream still does with the shards; the compute stream waits for them
+        compute = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            for u, pc, m in self.entries:
+                u.shard[pc.shard_offset:pc.shard_offset + pc.numel].copy_(m, non_blocking=True)
+        compute.wait_stream(stream)
 
     def nbytes(self) -> int:
         """Bytes of master weights held apart from the parameters (0 when they are views)."""

@@ -1,0 +1,192 @@
+"""The GPU path: every engine on one NCCL rank, data parallelism on two gloo ranks with CUDA tensors,
+bf16 autocast, ZeRO-Offload's pinned buffers and side stream, disk offload, checkpoints moved between
+GPU and CPU. Marked ``gpu``: skipped (with the reason) where torch sees no CUDA device, so never in CI;
+run them with ``python -m pytest -q -m gpu tests/test_gpu.py`` on a GPU machine.
+
+One GPU hosts one NCCL rank only (NCCL refuses two ranks on one device), so the single-rank NCCL runs
+happen in one spawned process of their own (an NCCL default group, "cpu:gloo,cuda:nccl", as
+``shardwise train`` makes it), the multi-rank ones (data parallel, pipeline) on the harness's gloo
+ranks sharing the GPU, and the pipeline and multi-rank ZeRO on NCCL only where there are two GPUs,
+through the CLI. ZeRO on two gloo ranks with CUDA tensors is not run: it would call gloo's reduce-scatter
+and all-gather on CUDA tensors, which torch's backend table lists as unsupported.
+
+References are the same runs on the CPU (fp32; the GPU's matmuls and attention kernels sum in
+another order, so losses agree to 2e-3 and weights to 1e-2 rather than exactly), and the GPU
+data-parallel run for the other engines on the GPU (1e-4: the same kernels, another optimizer
+implementation for offloaded masters).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import run_on_ranks
+from tests.test_train import make_config, run
+
+pytestmark = pytest.mark.gpu
+
+GPU = {"run.device": "cuda", "parallel.backend": "nccl"}
+CPU_FROM_GPU = (2e-3, 1e-2)
+"""(loss, weight) tolerances of a GPU run against the same run on the CPU."""
+SAME_DEVICE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def nccl_process():
+    """One spawned process that holds a one-rank NCCL default group for the module's tests."""
+    pool = cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+    yield pool
+    pool.shutdown(cancel_futures=True)
+
+
+def _train_gpu(cfg, run_dir: str, stop_after=None):
+    """In the NCCL process: train, and say on which backend and device it ran."""
+    import torch.distributed as dist
+
+    from shardwise.train.loop import train
+
+    result = train(cfg, Path(run_dir), collect_state=True, stop_after=stop_after)
+    return result.losses, result.state_dict, dist.get_backend_config()
+
+
+def on_gpu(pool, tmp_path: Path, cache_dir: Path, name: str, stop_after=None, **overrides):
+    run_dir = tmp_path / name
+    cfg = make_config(run_dir, cache_dir, 1, **{**GPU, **overrides})
+    losses, state, backends = pool.submit(_train_gpu, cfg, str(run_dir), stop_after).result(timeout=600)
+    assert backends == "cpu:gloo,cuda:nccl"
+    return losses, state
+
+
+def assert_close(a, b, loss_atol: float, weight_atol: float):
+    torch.testing.assert_close(torch.tensor(a[0]), torch.tensor(b[0]), atol=loss_atol, rtol=0)
+    assert a[1].keys() == b[1].keys()
+    for key in a[1]:
+        torch.testing.assert_close(a[1][key], b[1][key], atol=weight_atol, rtol=0, msg=key)
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(tmp_path_factory, cache_dir):
+    return run(tmp_path_factory.mktemp("cpu-ref"), cache_dir, "cpu", 1)
+
+
+@pytest.fixture(scope="module")
+def gpu_reference(nccl_process, tmp_path_factory, cache_dir):
+    return on_gpu(nccl_process, tmp_path_factory.mktemp("gpu-ref"), cache_dir, "gpu")
+
+
+def test_data_parallel_on_one_nccl_rank_equals_the_cpu(gpu_reference, cpu_reference):
+    assert gpu_reference[0][-1] < gpu_reference[0][0]
+    assert_close(gpu_reference, cpu_reference, *CPU_FROM_GPU)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"parallel.zero": 1}, {"parallel.zero": 2}, {"parallel.zero": 3},
+    {"parallel.zero": 1, "parallel.offload": "cpu"},
+    {"parallel.zero": 2, "parallel.offload": "cpu"},
+    {"parallel.zero": 3, "parallel.offload": "disk"},
+    {"train.recompute": "full"},
+], ids=lambda o: "-".join(f"{k.split('.')[1]}={v}" for k, v in o.items()))
+def test_every_engine_on_one_nccl_rank(nccl_process, gpu_reference, tmp_path, cache_dir, overrides):
+    if overrides.get("parallel.offload") == "disk":
+        overrides = {**overrides, "parallel.offload_dir": str(tmp_path / "offload")}
+    result = on_gpu(nccl_process, tmp_path, cache_dir, "run", **overrides)
+    assert_close(result, gpu_reference, SAME_DEVICE, SAME_DEVICE)
+
+
+def test_bf16_autocast_on_the_gpu(nccl_process, gpu_reference, tmp_path, cache_dir):
+    losses, state = on_gpu(nccl_process, tmp_path, cache_dir, "bf16", **{"train.precision": "bf16"})
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(gpu_reference[0]), atol=0.1, rtol=0)  # bf16: 2^-8
+    assert all(v.dtype == torch.float32 for v in state.values())  # fp32 weights, bf16 compute
+
+
+def test_checkpoint_moves_between_gpu_and_cpu(nccl_process, gpu_reference, cpu_reference, tmp_path, cache_dir):
+    """Saved on the GPU at step 5, resumed on the CPU; saved on the CPU, resumed on the GPU: each
+    finishes as the uninterrupted run on the device it finished on (within the device tolerance)."""
+    ckpt = {"ckpt.every": 5}
+    on_gpu(nccl_process, tmp_path, cache_dir, "g2c", stop_after=5, **ckpt)
+    on_cpu = run(tmp_path, cache_dir, "g2c", 1, **ckpt, **{"ckpt.resume": "true", "run.device": "cpu"})
+    assert len(on_cpu[0]) == 5
+    assert_close(on_cpu, (cpu_reference[0][5:], cpu_reference[1]), *CPU_FROM_GPU)
+
+    run(tmp_path, cache_dir, "c2g", 1, stop_after=5, **ckpt, **{"run.device": "cpu"})
+    on_gpu_again = on_gpu(nccl_process, tmp_path, cache_dir, "c2g", **ckpt, **{"ckpt.resume": "true"})
+    assert_close(on_gpu_again, (gpu_reference[0][5:], gpu_reference[1]), *CPU_FROM_GPU)
+
+
+def _offload_buffers() -> dict:
+    """In the NCCL process: ZeRO-2 with CPU offload on a CUDA model -- where its buffers live."""
+    from shardwise.config import Config
+    from shardwise.dist.mesh import init_distributed
+    from shardwise.model import Transformer
+    from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
+
+    init_distributed("nccl")
+    cfg = Config.load(overrides={"model.preset": "tiny"}).resolve(world_size=1, tokenizer_vocab=256)
+    model = Transformer(cfg.model).cuda()
+    engine = ZeroDataParallel(model, stage=2, offload="cpu")
+    opt = ZeroOptimizer(engine, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x = torch.randint(0, 256, (2, 16), device="cuda")
+    for _ in range(2):
+        engine(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+    masters = engine.masters
+    stream = masters._copy_stream
+    return {
+        "grad_buffers_pinned": all(b.is_pinned() for b in masters.grad_buffers()),
+        "masters_pinned": all(m.is_pinned() for m in masters.params()),
+        "side_stream": stream is not None and stream != torch.cuda.current_stream(),
+        "shards_on_gpu": all(u.shard.is_cuda for u in engine.units),
+    }
+
+
+def test_cpu_offload_uses_pinned_buffers_and_a_side_stream(nccl_process):
+    got = nccl_process.submit(_offload_buffers).result(timeout=300)
+    assert got == dict.fromkeys(got, True), got
+
+
+@pytest.mark.parametrize("overrides", [{}, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}], ids=["dp2", "pp2"])
+def test_two_gloo_ranks_with_cuda_tensors_equal_the_cpu(cpu_reference, tmp_path, cache_dir, overrides):
+    """Two harness ranks sharing the GPU: data parallelism (gloo's CUDA all-reduce and broadcast), and the
+    pipeline, whose activations travel through host memory (gloo's point-to-point takes CPU tensors)."""
+    result = run(tmp_path, cache_dir, "gloo-cuda", 2, **{"run.device": "cuda", "parallel.backend": "gloo"},
+                 **overrides)
+    assert_close(result, cpu_reference, *CPU_FROM_GPU)
+
+
+def _cuda_tensors_in_harness() -> str:
+    import torch.distributed as dist
+
+    t = torch.ones(3, device="cuda")
+    dist.all_reduce(t)
+    return str(t.device)
+
+
+def test_harness_guard_lets_cuda_tensors_through_gloo():
+    assert run_on_ranks(2, _cuda_tensors_in_harness) == ["cuda:0", "cuda:0"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL with two ranks needs two GPUs")
+@pytest.mark.parametrize("args", [
+    ["--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--parallel.microbatches", "4"],
+    ["--parallel.zero", "3"],
+], ids=["pp2-1f1b", "zero3-dp2"])
+def test_two_nccl_ranks_through_the_cli(tmp_path, cache_dir, args):
+    """The pipeline and multi-rank ZeRO on NCCL, as a user starts them."""
+    cmd = [sys.executable, "-m", "shardwise.cli", "train", "--model.preset", "tiny", "--data.max_bytes", "400000",
+           "--data.seq_len", "32", "--data.cache_dir", str(cache_dir), "--train.steps", "6",
+           "--train.global_batch", "8", "--run.device", "cuda", "--parallel.nproc", "2", "--ckpt.every", "3",
+           "--run.dir", str(tmp_path / "run"), "--run.progress", "false", "--run.tensorboard", "false", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"loss"' in line for line in lines) == 6
