@@ -34,16 +34,17 @@ def message_tag(kind: str, dst_stage: int, mb: int, n_stages: int) -> int:
 
 
 class StagedWork:
-    """A receive into a host buffer: ``wait()`` waits for it, then copies the buffer onto the device tensor."""
+    """A transfer of a host copy: keeps the copy alive until waited for; a receive's ``wait()`` then
+    copies it onto the device tensor (``device_tensor``; ``None`` for a send)."""
 
-    def __init__(self, work: dist.Work, host: torch.Tensor, device_tensor: torch.Tensor):
+    def __init__(self, work: dist.Work, host: torch.Tensor, device_tensor: torch.Tensor | None):
         self.work, self.host, self.device_tensor = work, host, device_tensor
 
     def wait(self, *args) -> bool:
         done = self.work.wait(*args)
-        if self.host is not None:
+        if self.host is not None and self.device_tensor is not None:
             self.device_tensor.copy_(self.host)
-            self.host = None
+        self.host = None
         return done
 
     def is_completed(self) -> bool:
@@ -82,14 +83,14 @@ class P2P:
     def p2p_op(self, send: bool, tensor: torch.Tensor, peer: int, tag: int,
                count: bool = True) -> tuple[dist.P2POp, torch.Tensor | None]:
         """One ``P2POp`` to global rank ``peer`` (a send counted unless ``count`` is false); with the host
-        buffer a staged receive must be copied back from (``None`` otherwise)."""
+        copy it carries when staged (``None`` otherwise)."""
         host = None
         if self.staged(tensor):
             host = tensor.detach().cpu() if send else torch.empty(tensor.shape, dtype=tensor.dtype)
         if send and count:
             self.count_send(tensor)
         op = dist.P2POp(dist.isend if send else dist.irecv, tensor if host is None else host, peer, self.group, tag)
-        return op, None if send else host
+        return op, host
 
     def start(self, ops: list[tuple[bool, torch.Tensor, int, int]], count: bool = True) -> list:
         """Post ``(send?, tensor, global peer, tag)`` operations in one batch; one handle per op (a
@@ -100,8 +101,8 @@ class P2P:
         works = dist.batch_isend_irecv([op for op, _ in posted])
         if len(works) != len(posted):  # a coalescing backend (nccl) returns one handle; nothing is staged there
             return works
-        return [w if host is None else StagedWork(w, host, tensor)
-                for w, (_, host), (_, tensor, _, _) in zip(works, posted, ops, strict=True)]
+        return [w if host is None else StagedWork(w, host, None if send else tensor)
+                for w, (_, host), (send, tensor, _, _) in zip(works, posted, ops, strict=True)]
 
     def exchange(self, send: list[tuple[torch.Tensor, int, int]], recv: list[tuple[torch.Tensor, int, int]],
                  count: bool = True) -> None:
