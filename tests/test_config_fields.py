@@ -66,6 +66,8 @@ def _context(dotted: str, value, tmp_path: Path) -> dict:
         return {"data.source": str(tmp_path)}
     if dotted == "parallel.offload":
         return {"parallel.zero": 1}
+    if dotted == "parallel.zero_param_dtype":
+        return {"parallel.zero": 1, "train.precision": "bf16"}
     if dotted == "parallel.pp_schedule":
         return {"parallel.pp": 2, **({"parallel.pp_virtual": 2} if value == "interleaved" else {})}
     if dotted == "parallel.pp_partition":
@@ -252,6 +254,10 @@ PROOFS: dict[str, tuple] = {
     "parallel.zero_unit": (reads("train/engine.py"),
                            Refused({"parallel.zero": 2, "parallel.zero_unit": 2}, "set parallel.zero=3")),
     "parallel.offload": (reads("train/engine.py"), Refused({"parallel.offload": "cpu"}, "needs ZeRO")),
+    "parallel.zero_param_dtype": (reads("train/engine.py"),
+                                  Refused({"parallel.zero_param_dtype": "bf16"}, "needs parallel.zero >= 1"),
+                                  Refused({"parallel.zero": 1, "train.precision": "fp32",
+                                           "parallel.zero_param_dtype": "bf16"}, "train.precision='bf16'")),
     "parallel.offload_dir": (reads("train/engine.py"),
                              Refused({"parallel.zero": 1, "parallel.offload_dir": "/tmp/x"}, "offload='none'")),
     "parallel.zero_quant_weights": (reads("train/engine.py"),

@@ -38,6 +38,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE_MODES = ("none", "full", "selective")
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "disk")
+ZERO_PARAM_DTYPES = ("fp32", "bf16")
 PP_SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 """parallel.pp_schedule (the same as shardwise.parallel.pipeline.SCHEDULES, which needs torch)."""
 PP_PARTITIONS = ("even", "params", "flops")
@@ -54,7 +55,8 @@ CHOICES: dict[str, tuple] = {
     "model.preset": PRESET_NAMES, "model.flavor": FLAVORS,
     "data.format": DATA_FORMATS, "data.tokenizer": TOKENIZERS,
     "train.precision": PRECISIONS, "train.recompute": RECOMPUTE_MODES,
-    "parallel.zero": ZERO_STAGES, "parallel.offload": OFFLOADS, "parallel.pp_schedule": PP_SCHEDULES,
+    "parallel.zero": ZERO_STAGES, "parallel.offload": OFFLOADS,
+    "parallel.zero_param_dtype": ZERO_PARAM_DTYPES, "parallel.pp_schedule": PP_SCHEDULES,
     "parallel.pp_partition": PP_PARTITIONS, "parallel.backend": BACKENDS, "run.device": DEVICES,
     "comm.algorithm": COMM_ALGORITHMS, "comm.compression": COMM_COMPRESSIONS,
 }
@@ -189,6 +191,11 @@ class ParallelConfig:
     2 = also gradients, 3 = also parameters (shardwise.parallel.zero)."""
     zero_unit: int = 1
     """With zero = 3: transformer blocks per sharding unit (gathered and freed together)."""
+    zero_param_dtype: str = "fp32"
+    """With zero >= 1 and train.precision = "bf16": "bf16" keeps the flat parameters, gradients and their
+    communication in bf16 beside fp32 master weights (the mixed-precision training the ZeRO paper counts,
+    Rajbhandari et al. 2020 §3.1; with parallel.offload the masters and moments live on the host);
+    "fp32" keeps the model's fp32 weights as the masters."""
     offload: str = "none"
     """With zero >= 1: where fp32 master weights and optimizer states live and are stepped:
     "none", "cpu" (ZeRO-Offload) or "disk" (memory-mapped files under offload_dir)."""

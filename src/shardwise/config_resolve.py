@@ -39,6 +39,7 @@ def resolve_config(cfg: Config, world_size: int | None = None, tokenizer_vocab: 
     _resolve_pipeline(cfg)
     _resolve_tensor_parallel(cfg)
     _validate_train(cfg.train)
+    _check_zero_param_dtype(cfg)
     _validate_misc(cfg)
     _refuse_unused(cfg)
 
@@ -191,6 +192,7 @@ def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
     if p.offload != "none" and p.zero == 0:
         raise ConfigError(f"parallel.offload={p.offload!r} needs ZeRO; set parallel.zero to 1, 2 or 3")
     _positive("parallel.zero_unit", p.zero_unit)
+    _choice("parallel.zero_param_dtype", p.zero_param_dtype)
     if p.zero_quant_weights and p.zero != 3:
         raise ConfigError(f"parallel.zero_quant_weights=true quantizes ZeRO-3's parameter gathers, "
                           f"but parallel.zero={p.zero}; set parallel.zero=3")
@@ -237,6 +239,14 @@ def _resolve_tensor_parallel(cfg: Config) -> None:
     if p.sequence_parallel and cfg.data.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel=true needs data.seq_len={cfg.data.seq_len} divisible by "
                           f"parallel.tp={p.tp}; use a multiple of {p.tp}")
+
+
+def _check_zero_param_dtype(cfg: Config) -> None:
+    p = cfg.parallel
+    if p.zero_param_dtype != "fp32" and (p.zero == 0 or cfg.train.precision != "bf16"):
+        raise ConfigError(f"parallel.zero_param_dtype={p.zero_param_dtype!r} keeps ZeRO's flat parameters in bf16 "
+                          f"beside fp32 masters; it needs parallel.zero >= 1 (is {p.zero}) and train.precision='bf16' "
+                          f"(is {cfg.train.precision!r})")
 
 
 def _resolve_batch(t: TrainConfig, dp: int) -> None:

@@ -158,6 +158,7 @@ class Engine:
                                 all_reduce_fn=gradient_all_reduce(self.cfg.comm, self.ledger["dp"]))
         return ZeroDataParallel(self.module, group=self.group, stage=p.zero, bucket_mb=p.bucket_mb,
                                 unit_blocks=p.zero_unit, offload=p.offload,
+                                param_dtype=torch.bfloat16 if p.zero_param_dtype == "bf16" else None,
                                 offload_dir=p.offload_dir or str(run_dir / "offload"),
                                 quant_weights=p.zero_quant_weights, quant_grads=p.zero_quant_grads,
                                 hpz_size=p.zero_hpz, comm_stats=self.ledger["dp"],
