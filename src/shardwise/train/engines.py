@@ -71,7 +71,7 @@ class DataParallelEngine:
 
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, run_dir: Path):
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        self.group = mesh.dp_group
+        self.group = mesh.group("dp_cp")  # replicas of the same weights: dp x cp
         self.ledger = CommLedger()
         """Every collective of this rank's techniques, counted where it is called, by mesh axis."""
         torch.manual_seed(cfg.train.seed)
@@ -139,7 +139,7 @@ class DataParallelEngine:
         owns (every tensor whole without tensor parallelism), the others nothing."""
         state = self.optimizer.state_dict()
         groups = state["param_groups"] if dist.get_rank() == 0 else None
-        if self.mesh.dp_rank != 0:
+        if self.mesh.rank("dp_cp") != 0:
             return [], groups
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         return (tp_state.model_pieces(self.module, self.tp_rank)
@@ -157,7 +157,7 @@ class DataParallelEngine:
     def final_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on global rank 0 (a collective for sharded layouts)."""
         if self.tp_size > 1:
-            return tp_state.gather_full_state(self.module, self.tp_rank, active=self.mesh.dp_rank == 0)
+            return tp_state.gather_full_state(self.module, self.tp_rank, active=self.mesh.rank("dp_cp") == 0)
         return self.module.state_dict()
 
 
@@ -227,7 +227,8 @@ class ZeroEngine(DataParallelEngine):
     def final_state_dict(self) -> dict[str, torch.Tensor]:
         state = self.wrapper.state_dict()  # a collective over the data-parallel group
         if self.tp_size > 1:
-            return tp_state.gather_full_state(self.module, self.tp_rank, active=self.mesh.dp_rank == 0, state=state)
+            return tp_state.gather_full_state(self.module, self.tp_rank, active=self.mesh.rank("dp_cp") == 0,
+                                              state=state)
         return state
 
 

@@ -63,7 +63,7 @@ class PipelineEngine:
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, run_dir: Path):
         p = cfg.parallel
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        self.group = mesh.dp_group
+        self.group = mesh.group("dp_cp")  # replicas of the same weights: dp x cp
         self.pp_group, self.stage_ranks = mesh.group("pp"), mesh.ranks("pp")
         self.tp_size, self.tp_rank = mesh.size("tp"), mesh.rank("tp")
         self.tp_group = mesh.group("tp") if self.tp_size > 1 else None
@@ -197,9 +197,9 @@ class PipelineEngine:
         ref_index = {n: i for i, n in enumerate(decay + no_decay)}
         local_names = optimizer_param_names(self._named_parameters())
         if self.zero is not None:  # every replica writes the slices of its shard, under single-process indices
-            return zero_checkpoint_pieces(self.zero, self.optimizer, with_buffers=self.mesh.dp_rank == 0,
+            return zero_checkpoint_pieces(self.zero, self.optimizer, with_buffers=self.mesh.rank("dp_cp") == 0,
                                           ref_map=lambda i: ref_index[local_names[i]]), groups
-        if self.mesh.dp_rank != 0:
+        if self.mesh.rank("dp_cp") != 0:
             return [], groups
         opt = self.optimizer.state_dict()["state"]  # its stages' tensors (this tensor-parallel rank's rows)
         local = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -248,12 +248,12 @@ class PipelineEngine:
     def final_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on global rank 0 (every stage sends its layers; for tests and tools)."""
         if self.tp_size > 1:
-            return tp_state.gather_full_state(list(self.pipe.chunks), self.tp_rank, active=self.mesh.dp_rank == 0)
+            return tp_state.gather_full_state(list(self.pipe.chunks), self.tp_rank, active=self.mesh.rank("dp_cp") == 0)
         mine: dict[str, torch.Tensor] = {}
         for chunk in self.pipe.chunks:
             mine.update({k: v.detach().cpu() for k, v in chunk.state_dict().items()})
         out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine if self.mesh.dp_rank == 0 else None, out, dst=0)
+        dist.gather_object(mine if self.mesh.rank("dp_cp") == 0 else None, out, dst=0)
         full: dict[str, torch.Tensor] = {}
         for stage_state in out or []:
             for k, v in (stage_state or {}).items():
