@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from shardwise.config import ConfigError
 from shardwise.parallel.context.blocks import block_forward, block_pair, merge
 from shardwise.parallel.context.layout import SequenceLayout
+from shardwise.train.metrics import read_metrics
 from tests.test_train import assert_same_training, make_config, run
 
 
@@ -79,14 +80,49 @@ def test_bad_context_parallel_layouts_are_refused_before_spawning(tmp_path, cach
             make_config(tmp_path, cache_dir, 2, **overrides)
 
 
+STEPS = {"train.steps": 4}
+LLAMA = {"model.preset": "tiny-llama"}
+
+
 @pytest.fixture(scope="module")
-def single_process(tmp_path_factory, cache_dir):
-    return run(tmp_path_factory.mktemp("ref-cp"), cache_dir, "dp1", 1, **{"train.steps": 4})
+def references(tmp_path_factory, cache_dir):
+    """One single-process run per flavour, computed when first asked for."""
+    done = {}
+
+    def get(flavour: str):
+        if flavour not in done:
+            extra = LLAMA if flavour == "llama" else {}
+            done[flavour] = run(tmp_path_factory.mktemp(f"ref-{flavour}"), cache_dir, "one", 1, **STEPS, **extra)
+        return done[flavour]
+
+    return get
 
 
-@pytest.mark.parametrize("name,nproc,overrides", [
-    ("ring2", 2, {"parallel.cp": 2}),
+RING_NONE = {"parallel.cp_balance": "none"}
+
+
+@pytest.mark.parametrize("name,flavour,nproc,overrides", [
+    ("ring2", "gpt2", 2, {"parallel.cp": 2}),
+    ("ring2-none-selective", "llama", 2, {"parallel.cp": 2, **RING_NONE, "train.recompute": "selective"}),
+    ("allgather2", "llama", 2, {"parallel.cp": 2, "parallel.cp_algorithm": "allgather"}),
+    ("ulysses2", "gpt2", 2, {"parallel.cp": 2, "parallel.cp_algorithm": "ulysses"}),
+    ("ring4", "gpt2", 4, {"parallel.cp": 4}),
+    ("ring4-none", "llama", 4, {"parallel.cp": 4, **RING_NONE}),
+    ("ulysses4-gqa", "llama", 4, {"parallel.cp": 4, "parallel.cp_algorithm": "ulysses"}),
+    ("cp2-dp2", "gpt2", 4, {"parallel.cp": 2}),
+    ("cp2-tp2", "llama", 4, {"parallel.cp": 2, "parallel.tp": 2}),
+    ("cp2-pp2", "gpt2", 4, {"parallel.cp": 2, "parallel.pp": 2, "parallel.microbatches": 2}),
 ])
-def test_context_parallel_equals_one_process(single_process, tmp_path, cache_dir, name, nproc, overrides):
-    result = run(tmp_path, cache_dir, name, nproc, **{"train.steps": 4, **overrides})
-    assert_same_training(result, single_process, atol=1e-5)
+def test_context_parallel_equals_one_process(references, tmp_path, cache_dir, name, flavour, nproc, overrides):
+    extra = LLAMA if flavour == "llama" else {}
+    result = run(tmp_path, cache_dir, name, nproc, **STEPS, **extra, **overrides)
+    assert_same_training(result, references(flavour), atol=1e-5)
+    last = read_metrics(tmp_path / name)[-1]
+    cp = overrides["parallel.cp"]
+    assert last["cp_sent_bytes"] > 0
+    if name == "ring2":  # 2 layers x 1 micro-batch, 2cp tiles each
+        assert last["cp_attn_tiles"] == 2 * 2 * cp
+    if overrides.get("parallel.cp_balance") == "none":  # contiguous causal: rank r does 4r + 2 tiles
+        assert last["cp_attn_imbalance"] == pytest.approx(2 * cp - 1)
+    else:  # head-tail (and Ulysses, which attends every token on 1/cp of the heads): the same work everywhere
+        assert last["cp_attn_imbalance"] == pytest.approx(1.0)

@@ -85,8 +85,10 @@ class ContextAttention:
 
 
 def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:
-    """This step's attention work of the context-parallel cores in ``module`` (one number per rank:
-    ``cp_attn_tiles``), counters reset; ``{}`` without context parallelism."""
+    """This step's attention work of the context-parallel cores in ``module``, counters reset; ``{}`` without
+    context parallelism. ``cp_attn_tiles``: this rank's; ``cp_attn_tiles_max`` / ``_min`` over its cp group
+    and their ratio ``cp_attn_imbalance`` (gathered over the cp group: a collective, every cp rank calls
+    it at the same point of the step; it is bookkeeping, not counted as the technique's traffic)."""
     from shardwise.model.layers import Attention
 
     cores = {}
@@ -102,7 +104,14 @@ def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:
     total = sum(c.work for c in cores.values())
     for c in cores.values():
         c.work = 0.0
-    return {"cp_attn_tiles": float(total)}
+    core = next(iter(cores.values()))
+    device = next(module.parameters()).device
+    mine = torch.tensor([total], dtype=torch.float64, device=device)
+    gathered = torch.zeros(core.size, dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(gathered, mine, group=core.group)
+    hi, lo = float(gathered.max()), float(gathered.min())
+    return {"cp_attn_tiles": float(total), "cp_attn_tiles_max": hi, "cp_attn_tiles_min": lo,
+            "cp_attn_imbalance": hi / lo if lo else float("inf")}
 
 
 class ContextParallelLoss:

@@ -51,26 +51,17 @@ def _heads_to_seq(x: torch.Tensor, core) -> torch.Tensor:
     return got.transpose(0, 1).reshape(b, n * hn, nt // n, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Reshard(torch.autograd.Function):
+    """Sequence-sharded -> head-sharded (``to_heads``) or back; the gradient goes the other way."""
+
     @staticmethod
-    def forward(ctx, x, core):
-        ctx.core = core
-        return _seq_to_heads(x, core)
+    def forward(ctx, x, core, to_heads: bool):
+        ctx.core, ctx.to_heads = core, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, core)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.core), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, core):
-        ctx.core = core
-        return _heads_to_seq(x, core)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.core), None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.core), None, None
 
 
 def kv_replicas(n_kv_heads: int, cp: int) -> int:
@@ -90,12 +81,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core) -
     rep = kv_replicas(k.shape[1], n)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    qh = _SeqToHeads.apply(q, core)
-    kvh = _SeqToHeads.apply(torch.cat((k, v)), core)  # keys and values in one all-to-all (batch 2B)
+    qh = _Reshard.apply(q, core, True)
+    kvh = _Reshard.apply(torch.cat((k, v)), core, True)  # keys and values in one all-to-all (batch 2B)
     kh, vh = kvh.chunk(2)
     positions = torch.cat([core.layout.positions(t, rank=j) for j in range(n)]).to(q.device)
     order = positions.argsort()  # gathered order -> true order
     y = F.scaled_dot_product_attention(qh[:, :, order], kh[:, :, order], vh[:, :, order], is_causal=True,
                                        enable_gqa=kh.shape[1] != qh.shape[1])
     core.count_causal(n * t, fraction=1 / n)
-    return _HeadsToSeq.apply(y[:, :, order.argsort()], core)
+    return _Reshard.apply(y[:, :, order.argsort()], core, False)
