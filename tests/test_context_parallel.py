@@ -126,3 +126,24 @@ def test_context_parallel_equals_one_process(references, tmp_path, cache_dir, na
         assert last["cp_attn_imbalance"] == pytest.approx(2 * cp - 1)
     else:  # head-tail (and Ulysses, which attends every token on 1/cp of the heads): the same work everywhere
         assert last["cp_attn_imbalance"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name,nproc,overrides", [
+    ("ring2", 2, {"parallel.cp": 2}),
+    ("allgather2-llama", 2, {"parallel.cp": 2, "parallel.cp_algorithm": "allgather", **LLAMA}),
+    ("ulysses4-llama", 4, {"parallel.cp": 4, "parallel.cp_algorithm": "ulysses", **LLAMA}),
+    ("ring2-pp2-recompute", 4, {"parallel.cp": 2, "parallel.pp": 2, "parallel.microbatches": 2,
+                                "train.recompute": "full"}),
+])
+def test_cp_bytes_and_activations_are_what_the_planner_predicts(tmp_path, cache_dir, name, nproc, overrides):
+    """cp_sent_bytes measured where each send / collective is called equals plan --compare's prediction
+    (shardwise.plan.context); for the ring, so do the bytes its attention cores keep for backward."""
+    from shardwise.config import Config
+    from shardwise.plan.compare import measured_for_run, predicted_for_run
+
+    run(tmp_path, cache_dir, name, nproc, **{"train.steps": 2, **overrides})
+    cfg = Config.load(tmp_path / name / "config.toml")
+    pred, meas = predicted_for_run(cfg), measured_for_run(tmp_path / name)
+    assert meas["cp_sent_bytes"] == pred["cp_sent_bytes"]
+    if cfg.parallel.cp_algorithm == "ring":
+        assert meas["cp_attn_act_bytes"] == pred["cp_attn_act_bytes"]

@@ -33,6 +33,11 @@ class ContextAttention:
     stats: CommStats | None = None
     work: float = field(default=0.0)
     """Forward score tiles computed since the last :func:`pop_attention_work` (see the module docstring)."""
+    saved_bytes: int = 0
+    """Bytes of the tensors autograd kept for backward from this core's forward calls (measured by
+    ``saved_tensors_hooks``: every tensor saved by an op or by ``ctx.save_for_backward``, once per view)."""
+    calls: int = 0
+    """Forward calls with gradients since the last pop (one per layer and micro-batch, more when recomputed)."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -71,6 +76,22 @@ class ContextAttention:
         self.work += seq * seq / 2 * fraction / self._tile(seq // self.size)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self._attend(q, k, v)
+        seen: set = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = (t.data_ptr(), tuple(t.shape), t.dtype)
+            if key not in seen:
+                seen.add(key)
+                self.saved_bytes += nbytes(t)
+            return t
+
+        self.calls += 1
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return self._attend(q, k, v)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.algorithm == "ring":
             from shardwise.parallel.context.ring import RingAttentionFunction
 
@@ -86,12 +107,16 @@ class ContextAttention:
 
 def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:
     """This step's attention work of the context-parallel cores in ``module``, counters reset; ``{}`` without
-    context parallelism. ``cp_attn_tiles``: this rank's; ``cp_attn_tiles_max`` / ``_min`` over its cp group
-    and their ratio ``cp_attn_imbalance`` (gathered over the cp group: a collective, every cp rank calls
-    it at the same point of the step; it is bookkeeping, not counted as the technique's traffic)."""
+    context parallelism.
+
+    * ``cp_attn_tiles``: this rank's forward score tiles; ``cp_attn_tiles_max`` / ``_min`` over its cp group
+      and their ratio ``cp_attn_imbalance`` (gathered over the cp group: a collective that every cp rank
+      calls at the same point of the step; bookkeeping, not counted as the technique's traffic);
+    * ``cp_attn_act_bytes``: bytes the cores keep for backward per micro-batch, over all this rank's layers
+      (measured, see :attr:`ContextAttention.saved_bytes`)."""
     from shardwise.model.layers import Attention
 
-    cores = {}
+    cores, layers = {}, {}
     for m in module.modules():
         if isinstance(m, Attention):
             core = m.__dict__.get("core")
@@ -99,11 +124,13 @@ def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:
                 core = getattr(core, "__wrapped__", None)  # selective recompute wraps it
             if core is not None:
                 cores[id(core)] = core
+                layers[id(core)] = layers.get(id(core), 0) + 1
     if not cores:
         return {}
     total = sum(c.work for c in cores.values())
+    act = sum(c.saved_bytes / c.calls * layers[i] for i, c in cores.items() if c.calls)
     for c in cores.values():
-        c.work = 0.0
+        c.work, c.saved_bytes, c.calls = 0.0, 0, 0
     core = next(iter(cores.values()))
     device = next(module.parameters()).device
     mine = torch.tensor([total], dtype=torch.float64, device=device)
@@ -111,7 +138,7 @@ def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:
     dist.all_gather_into_tensor(gathered, mine, group=core.group)
     hi, lo = float(gathered.max()), float(gathered.min())
     return {"cp_attn_tiles": float(total), "cp_attn_tiles_max": hi, "cp_attn_tiles_min": lo,
-            "cp_attn_imbalance": hi / lo if lo else float("inf")}
+            "cp_attn_imbalance": hi / lo if lo else float("inf"), "cp_attn_act_bytes": float(act)}
 
 
 class ContextParallelLoss:
