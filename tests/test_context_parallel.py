@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.config import ConfigError
-from shardwise.parallel.context.blocks import block_forward, block_pair, merge
+from shardwise.parallel.context.blocks import attend, attend_backward, block_backward, block_forward, block_pair, merge
 from shardwise.parallel.context.layout import SequenceLayout
 from shardwise.train.metrics import read_metrics
 from tests.test_train import assert_same_training, make_config, run
@@ -33,6 +33,21 @@ def test_merging_blocks_in_any_order_equals_softmax_attention():
         torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=0)
         scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * 8 ** -0.5
         torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_block_kernel_equals_the_eager_reference(causal):
+    """The ring's blocks run torch's fused CPU flash kernel: the same out / lse, and the same gradients from a
+    merged (global) out and lse, as the eager FlashAttention §3.1 formulas (GQA folded back to kv heads)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(2, h, 6, 8, generator=g) for h in (4, 2, 2, 4))
+    out, lse = attend(q, k, v, 0.3, causal)
+    ref_out, ref_lse = block_forward(q, k, v, 0.3, causal)
+    torch.testing.assert_close((out, lse), (ref_out, ref_lse), atol=1e-5, rtol=0)
+    merged_out, merged_lse = 0.5 * out, lse + 0.2  # what a merge with other blocks would have produced
+    got = attend_backward(q, k, v, dout, merged_out, merged_lse, 0.3, causal)
+    want = block_backward(q, k, v, dout, merged_lse, (dout * merged_out).sum(-1), 0.3, causal)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("balance", ["headtail", "none"])
@@ -112,12 +127,14 @@ RING_NONE = {"parallel.cp_balance": "none"}
     ("cp2-dp2", "gpt2", 4, {"parallel.cp": 2}),
     ("cp2-tp2", "llama", 4, {"parallel.cp": 2, "parallel.tp": 2}),
     ("cp2-pp2", "gpt2", 4, {"parallel.cp": 2, "parallel.pp": 2, "parallel.microbatches": 2}),
+    ("cp2-zero3", "gpt2", 2, {"parallel.cp": 2, "parallel.zero": 3}),
 ])
 def test_context_parallel_equals_one_process(references, tmp_path, cache_dir, name, flavour, nproc, overrides):
     extra = LLAMA if flavour == "llama" else {}
     result = run(tmp_path, cache_dir, name, nproc, **STEPS, **extra, **overrides)
     assert_same_training(result, references(flavour), atol=1e-5)
     last = read_metrics(tmp_path / name)[-1]
+    assert "cp_attn_tiles" in last
     cp = overrides["parallel.cp"]
     assert last["cp_sent_bytes"] > 0
     if name == "ring2":  # 2 layers x 1 micro-batch, 2cp tiles each
@@ -147,3 +164,13 @@ def test_cp_bytes_and_activations_are_what_the_planner_predicts(tmp_path, cache_
     assert meas["cp_sent_bytes"] == pred["cp_sent_bytes"]
     if cfg.parallel.cp_algorithm == "ring":
         assert meas["cp_attn_act_bytes"] == pred["cp_attn_act_bytes"]
+
+
+def test_context_parallel_checkpoint_resumes_on_data_parallel(references, tmp_path, cache_dir):
+    """Stop a ring cp 2 run after step 2 and resume it as dp 2: the checkpoint holds the single-process
+    state (written once per dp x cp group), so the result equals an uninterrupted single process."""
+    ckpt = {"ckpt.every": 2, **STEPS}
+    run(tmp_path, cache_dir, "resumed", 2, stop_after=2, **ckpt, **{"parallel.cp": 2})
+    result = run(tmp_path, cache_dir, "resumed", 2, **ckpt, **{"ckpt.resume": True})
+    ref = references("gpt2")
+    assert_same_training(([*ref[0][:2], *result[0]], result[1]), ref, atol=1e-5)

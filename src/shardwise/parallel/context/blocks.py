@@ -111,3 +111,45 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
     dq = torch.einsum("bkgts,bksd->bkgtd", ds, k.float()) * scale
     dk = torch.einsum("bkgts,bkgtd->bksd", ds, qg) * scale
     return dq.flatten(1, 2), dk, dv
+
+
+# ---- the fused kernel where there is one --------------------------------------------------------------
+
+
+def _fused(q: torch.Tensor) -> bool:
+    """The CPU flash-attention kernel returns the log-sum-exp and takes it back in its backward: the ring
+    uses it on CPU (an eager einsum elsewhere: the CUDA kernels' signatures differ; not wired yet)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+
+
+def _expanded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    rep = q.shape[1] // k.shape[1]
+    return (k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), rep) if rep > 1 else (k, v, 1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_forward` by the fused kernel where available (outside autograd: the kernel's lse output
+    has no gradient, so callers that merge under autograd use :func:`block_forward`)."""
+    if not _fused(q):
+        return block_forward(q, k, v, scale, causal)
+    ke, ve, _ = _expanded(q, k, v)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, ke.to(q.dtype), ve.to(q.dtype), 0.0,
+                                                                          causal, scale=scale)
+    return out.float(), lse.float()
+
+
+def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, scale: float,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`block_backward` from the merged ``out`` and ``lse``, by the fused kernel where available."""
+    if not _fused(q):
+        return block_backward(q, k, v, dout, lse, (dout.float() * out.float()).sum(-1), scale, causal)
+    ke, ve, rep = _expanded(q, k, v)
+    dt = q.dtype
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.to(dt), q, ke.to(dt), ve.to(dt), out.to(dt), lse.float(), 0.0, causal, scale=scale)
+    if rep > 1:
+        b, _, s, d = dk.shape
+        dk, dv = dk.view(b, -1, rep, s, d).sum(2), dv.view(b, -1, rep, s, d).sum(2)
+    return dq.float(), dk.float(), dv.float()

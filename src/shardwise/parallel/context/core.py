@@ -135,7 +135,7 @@ def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:
     device = next(module.parameters()).device
     mine = torch.tensor([total], dtype=torch.float64, device=device)
     gathered = torch.zeros(core.size, dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(gathered, mine, group=core.group)
+    dist.all_gather_single(gathered, mine, group=core.group)
     hi, lo = float(gathered.max()), float(gathered.min())
     return {"cp_attn_tiles": float(total), "cp_attn_tiles_max": hi, "cp_attn_tiles_min": lo,
             "cp_attn_imbalance": hi / lo if lo else float("inf"), "cp_attn_act_bytes": float(act)}

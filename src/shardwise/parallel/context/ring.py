@@ -9,10 +9,11 @@ starts sending them to rank ``r + 1`` and receiving the next block from ``r - 1`
 result by log-sum-exp (:mod:`.blocks`) and waits for the transfer. Only ``(out, lse)`` are kept.
 
 Backward rotates keys/values again and recomputes each block's scores from the saved ``lse``
-(FlashAttention's backward, Dao et al. 2022 §3.1). The gradient of a key/value block travels with it:
-the accumulator of block ``(r - s)`` arrives from rank ``r - 1``, gains rank ``r``'s contribution and is
-sent on; after ``cp`` steps each block's dK/dV, summed over every rank that attended to it, arrives at
-its owner. Transfers are overlapped with the next block's computation; key/value and gradient messages
+(FlashAttention's backward, Dao et al. 2022 §3.1). Each block runs torch's fused flash-attention
+kernel where it exposes the log-sum-exp (CPU; :func:`.blocks.attend`), else the eager reference.
+The gradient of a key/value block travels with it: the accumulator of block ``(r - s)`` arrives
+from rank ``r - 1``, gains rank ``r``'s contribution and is sent on; after ``cp`` steps each block's
+dK/dV, summed over every rank that attended to it, arrives at its owner. Transfers are overlapped with the next block's computation; key/value and gradient messages
 carry distinct tags, so with ``cp = 2`` (where the next and previous rank coincide) they never cross.
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.parallel.context.blocks import block_backward, block_forward, block_pair
+from shardwise.parallel.context.blocks import attend, attend_backward, block_pair
 from shardwise.parallel.context.partial import PartialAttention
 
 KV_TAG, GRAD_TAG = 71, 72
@@ -57,8 +58,7 @@ class RingAttentionFunction(torch.autograd.Function):
             transfer = _Transfer(core, kv, KV_TAG) if step < n - 1 else None
             pair = block_pair(r, src, t, core.layout.balance)
             if pair is not None:
-                out_b, lse_b = block_forward(q[:, :, pair.q], kv[0][:, :, pair.kv], kv[1][:, :, pair.kv], scale,
-                                             pair.causal)
+                out_b, lse_b = attend(q[:, :, pair.q], kv[0][:, :, pair.kv], kv[1][:, :, pair.kv], scale, pair.causal)
                 acc.add(pair.q, out_b, lse_b)
                 core.count_work(pair, t)
             if transfer is not None:
@@ -74,8 +74,7 @@ class RingAttentionFunction(torch.autograd.Function):
         core = ctx.core
         n, r, t = core.size, core.rank, q.shape[2]
         scale = q.shape[-1] ** -0.5
-        dout = grad.float()
-        delta = (dout * out).sum(-1)
+        dout = grad.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
         kv = torch.stack((k, v)).contiguous()
         grads_in = None
@@ -86,8 +85,9 @@ class RingAttentionFunction(torch.autograd.Function):
             pair = block_pair(r, src, t, core.layout.balance)
             if pair is not None:
                 rows, cols = pair.q, pair.kv
-                dq_b, dk_b, dv_b = block_backward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows],
-                                                  lse[:, :, rows], delta[:, :, rows], scale, pair.causal)
+                k_b, v_b = kv[0][:, :, cols], kv[1][:, :, cols]
+                dq_b, dk_b, dv_b = attend_backward(q[:, :, rows], k_b, v_b, dout[:, :, rows], out[:, :, rows],
+                                                   lse[:, :, rows], scale, pair.causal)
                 dq[:, :, rows] += dq_b
                 dkv[0][:, :, cols] += dk_b
                 dkv[1][:, :, cols] += dv_b
