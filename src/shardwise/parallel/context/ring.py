@@ -13,8 +13,9 @@ Backward rotates keys/values again and recomputes each block's scores from the s
 kernel where it exposes the log-sum-exp (CPU; :func:`.blocks.attend`), else the eager reference.
 The gradient of a key/value block travels with it: the accumulator of block ``(r - s)`` arrives
 from rank ``r - 1``, gains rank ``r``'s contribution and is sent on; after ``cp`` steps each block's
-dK/dV, summed over every rank that attended to it, arrives at its owner. Transfers are overlapped with the next block's computation; key/value and gradient messages
-carry distinct tags, so with ``cp = 2`` (where the next and previous rank coincide) they never cross.
+dK/dV, summed over every rank that attended to it, arrives at its owner. Transfers are overlapped
+with the next block's computation; key/value and gradient messages carry distinct tags, so with
+``cp = 2`` (where the next and previous rank coincide) they never cross.
 """
 
 from __future__ import annotations
