@@ -126,13 +126,27 @@ RING_NONE = {"parallel.cp_balance": "none"}
     ("ulysses4-gqa", "llama", 4, {"parallel.cp": 4, "parallel.cp_algorithm": "ulysses"}),
     ("cp2-dp2", "gpt2", 4, {"parallel.cp": 2}),
     ("cp2-tp2", "llama", 4, {"parallel.cp": 2, "parallel.tp": 2}),
-    ("cp2-pp2", "gpt2", 4, {"parallel.cp": 2, "parallel.pp": 2, "parallel.microbatches": 2}),
+    ("ulysses2-tp2-sp", "llama", 4, {"parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
+                                     "parallel.cp_algorithm": "ulysses"}),
+    ("cp2-pp2-full", "gpt2", 4, {"parallel.cp": 2, "parallel.pp": 2, "parallel.microbatches": 2,
+                                 "train.recompute": "full"}),
     ("cp2-zero3", "gpt2", 2, {"parallel.cp": 2, "parallel.zero": 3}),
 ])
 def test_context_parallel_equals_one_process(references, tmp_path, cache_dir, name, flavour, nproc, overrides):
+    """Also: the attention work is balanced (head-tail) or 2cp - 1 (contiguous), and cp_sent_bytes measured
+    where each send / collective is called equals plan --compare's prediction (shardwise.plan.context), as
+    do, for the ring, the bytes its attention cores keep for backward."""
+    from shardwise.config import Config
+    from shardwise.plan.compare import measured_for_run, predicted_for_run
+
     extra = LLAMA if flavour == "llama" else {}
     result = run(tmp_path, cache_dir, name, nproc, **STEPS, **extra, **overrides)
     assert_same_training(result, references(flavour), atol=1e-5)
+    cfg = Config.load(tmp_path / name / "config.toml")
+    pred, meas = predicted_for_run(cfg), measured_for_run(tmp_path / name)
+    assert meas["cp_sent_bytes"] == pred["cp_sent_bytes"]
+    if cfg.parallel.cp_algorithm == "ring":
+        assert meas["cp_attn_act_bytes"] == pred["cp_attn_act_bytes"]
     last = read_metrics(tmp_path / name)[-1]
     assert "cp_attn_tiles" in last
     cp = overrides["parallel.cp"]
@@ -143,27 +157,6 @@ def test_context_parallel_equals_one_process(references, tmp_path, cache_dir, na
         assert last["cp_attn_imbalance"] == pytest.approx(2 * cp - 1)
     else:  # head-tail (and Ulysses, which attends every token on 1/cp of the heads): the same work everywhere
         assert last["cp_attn_imbalance"] == pytest.approx(1.0)
-
-
-@pytest.mark.parametrize("name,nproc,overrides", [
-    ("ring2", 2, {"parallel.cp": 2}),
-    ("allgather2-llama", 2, {"parallel.cp": 2, "parallel.cp_algorithm": "allgather", **LLAMA}),
-    ("ulysses4-llama", 4, {"parallel.cp": 4, "parallel.cp_algorithm": "ulysses", **LLAMA}),
-    ("ring2-pp2-recompute", 4, {"parallel.cp": 2, "parallel.pp": 2, "parallel.microbatches": 2,
-                                "train.recompute": "full"}),
-])
-def test_cp_bytes_and_activations_are_what_the_planner_predicts(tmp_path, cache_dir, name, nproc, overrides):
-    """cp_sent_bytes measured where each send / collective is called equals plan --compare's prediction
-    (shardwise.plan.context); for the ring, so do the bytes its attention cores keep for backward."""
-    from shardwise.config import Config
-    from shardwise.plan.compare import measured_for_run, predicted_for_run
-
-    run(tmp_path, cache_dir, name, nproc, **{"train.steps": 2, **overrides})
-    cfg = Config.load(tmp_path / name / "config.toml")
-    pred, meas = predicted_for_run(cfg), measured_for_run(tmp_path / name)
-    assert meas["cp_sent_bytes"] == pred["cp_sent_bytes"]
-    if cfg.parallel.cp_algorithm == "ring":
-        assert meas["cp_attn_act_bytes"] == pred["cp_attn_act_bytes"]
 
 
 def test_context_parallel_checkpoint_resumes_on_data_parallel(references, tmp_path, cache_dir):

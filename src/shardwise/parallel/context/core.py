@@ -35,7 +35,9 @@ class ContextAttention:
     """Forward score tiles computed since the last :func:`pop_attention_work` (see the module docstring)."""
     saved_bytes: int = 0
     """Bytes of the tensors autograd kept for backward from this core's forward calls (measured by
-    ``saved_tensors_hooks``: every tensor saved by an op or by ``ctx.save_for_backward``, once per view)."""
+    ``saved_tensors_hooks``: every tensor saved by an op or by ``ctx.save_for_backward``, once per view).
+    Under activation checkpointing they are handed to the checkpoint, which keeps them only while it
+    recomputes that layer in backward."""
     calls: int = 0
     """Forward calls with gradients since the last pop (one per layer and micro-batch, more when recomputed)."""
 
@@ -79,16 +81,21 @@ class ContextAttention:
         if not torch.is_grad_enabled():
             return self._attend(q, k, v)
         seen: set = set()
+        # only the innermost hooks apply: chain to an enclosing pair (activation checkpointing's) so it still acts
+        outer_pack, outer_unpack = torch._C._autograd._top_saved_tensors_default_hooks(False) or (None, None)
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor):
             key = (t.data_ptr(), tuple(t.shape), t.dtype)
             if key not in seen:
                 seen.add(key)
                 self.saved_bytes += nbytes(t)
-            return t
+            return t if outer_pack is None else outer_pack(t)
+
+        def unpack(x):
+            return x if outer_unpack is None else outer_unpack(x)
 
         self.calls += 1
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return self._attend(q, k, v)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
