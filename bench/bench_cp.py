@@ -7,7 +7,7 @@ For each sequence length and cp, ``cp`` gloo workers build the same Llama-flavou
 sequence. Measured per rank, reported for the busiest one:
 
 * activation memory: the bytes autograd saved for backward in one step (each storage once, counted by a
-  ``saved_tensors_hooks`` pack hook -- the same probe as bench_tp.py); target: falls as 1/cp;
+  ``saved_tensors_hooks`` pack hook -- bench_tp.py's probe -- parameters left out); target: falls as 1/cp;
 * median step time (slowest rank), the bytes handed to the cp axis per step (the counting layer) and the
   attention work balance (``cp_attn_imbalance``, 1.0 with head-tail).
 
@@ -42,6 +42,19 @@ from bench_tp import _SavedBytes  # noqa: E402  (the same activation probe)
 from shardwise.dist import free_port, shutdown_distributed  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class _Activations(_SavedBytes):
+    """bench_tp's probe without the parameters (a Linear saves its weight for backward: a model state, not
+    an activation), so that what is counted is the activation memory that context parallelism divides."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    @property
+    def total(self) -> int:
+        return sum(n for ptr, n in self.storages.items() if ptr not in self.params)
 
 
 def _config(args, cp: int, seq: int):
@@ -88,7 +101,7 @@ def _torch_peer(cfg, mesh, x, y, args) -> dict:
     model = Transformer(cfg.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cp_mesh = mesh.device_mesh["cp"]
-    times, probe = [], _SavedBytes()
+    times, probe = [], _Activations(model)
     try:
         for step in range(args.warmup + args.steps):
             xs, ys = x.clone(), y.clone()
@@ -125,7 +138,7 @@ def _worker(rank: int, args, port: int, cp: int, seq: int, queue) -> None:
     x, y = tokens[:, :-1], tokens[:, 1:]
     layout = SequenceLayout(cp, mesh.rank("cp"), cfg.parallel.cp_balance)
     xl, yl = (layout.shard(x), layout.shard(y)) if cp > 1 else (x, y)
-    times, probe, work = [], _SavedBytes(), {}
+    times, probe, work = [], _Activations(model), {}
     for step in range(args.warmup + args.steps):
         seconds = _step(model, opt, xl, yl, probe if step == 0 else None)
         work = pop_attention_work(model)

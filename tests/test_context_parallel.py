@@ -145,6 +145,8 @@ def test_context_parallel_equals_one_process(references, tmp_path, cache_dir, na
     cfg = Config.load(tmp_path / name / "config.toml")
     pred, meas = predicted_for_run(cfg), measured_for_run(tmp_path / name)
     assert meas["cp_sent_bytes"] == pred["cp_sent_bytes"]
+    if cfg.parallel.tp == 1:  # (with tp the planner leaves out the padded vocabulary row's gradient: 256 B)
+        assert meas["comm_bytes"] == pred["comm_bytes"]
     if cfg.parallel.cp_algorithm == "ring":
         assert meas["cp_attn_act_bytes"] == pred["cp_attn_act_bytes"]
     last = read_metrics(tmp_path / name)[-1]

@@ -63,7 +63,7 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     cluster = Cluster(BUILTIN_GPUS["H100"], gpus_per_node=world)  # placement only; times are not compared
     units = exact_zero_units(m, lay, p.bucket_mb, p.zero_unit, zero_hpz=p.zero_hpz)
     # DataParallel's buckets carry one "had a gradient" flag per parameter tensor (a pipeline's do not)
-    flags = len(model_params(m)) if p.zero == 0 and p.pp == 1 and dp > 1 else 0
+    flags = len(model_params(m)) if p.zero == 0 and p.pp == 1 and dp * p.cp > 1 else 0
     items = [c for c in comm_items(m, lay, s, states, cluster, act_bytes, units, dp_flags=flags)
              if c.technique not in ("pipeline", "context parallel")]
     p2p = pipeline_sent_bytes(m, lay, s)
@@ -108,7 +108,7 @@ def tensor_parallel_bytes(items, lay: Layout, s: int, d_model: int, act_bytes: i
     The parameters' gradient all-reduces are :func:`tp_grad_sync_bytes`."""
     if lay.tp == 1:
         return 0.0
-    tokens = lay.micro_batch * s
+    tokens = lay.micro_batch * (s // lay.cp)  # this rank's share of the sequence under context parallelism
     per_micro = (2 if lay.sequence_parallel else 1) * 2 * tokens * d_model * act_bytes + 3 * tokens * 4
     return sum(c.total_payload for c in items if c.technique.startswith("tensor parallel")) + \
         per_micro * lay.grad_accum
