@@ -81,6 +81,15 @@ def test_block_pairs_cover_the_causal_mask_once(balance):
     assert work == ([2.0 * cp] * cp if balance == "headtail" else [4.0 * r + 2 for r in range(cp)])
 
 
+def test_dp_cp_groups_hold_the_replicas_of_the_same_weights():
+    """The joint group gradients and the loss are averaged over: ranks differing only in (dp, cp), cp fastest."""
+    from shardwise.dist.mesh import ParallelDims
+
+    dims = ParallelDims(pp=1, dp=2, cp=2, tp=2)  # rank = (dp * 2 + cp) * 2 + tp
+    assert dims.groups("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert dims.size("dp_cp") == 4
+
+
 def test_bad_context_parallel_layouts_are_refused_before_spawning(tmp_path, cache_dir):
     cases = [
         ({"parallel.cp": 2, "data.seq_len": 30}, "does not divide into 4 chunks"),
