@@ -72,6 +72,8 @@ def _context(dotted: str, value, tmp_path: Path) -> dict:
         return {"parallel.pp": 2, **({"parallel.pp_virtual": 2} if value == "interleaved" else {})}
     if dotted == "parallel.pp_partition":
         return {"parallel.pp": 2}
+    if dotted in ("parallel.cp_algorithm", "parallel.cp_balance"):
+        return {"parallel.cp": 2}
     return {}
 
 
@@ -187,7 +189,7 @@ def reads(*files: str, pattern: str = "") -> Reads:
     return Reads(files, pattern)
 
 
-NOT_IMPLEMENTED = {"parallel.cp", "parallel.ep"}
+NOT_IMPLEMENTED = {"parallel.ep"}
 """Named in the tree for the planner and refused by the trainer until the technique exists."""
 
 PROOFS: dict[str, tuple] = {
@@ -248,7 +250,11 @@ PROOFS: dict[str, tuple] = {
     "parallel.dp": (reads("dist/mesh.py"),),
     "parallel.tp": (reads("dist/mesh.py"), Derives({"parallel.tp": 2}, ("parallel.dp",))),
     "parallel.pp": (reads("train/engine.py"), Derives({"parallel.pp": 2}, ("parallel.dp", "parallel.microbatches"))),
-    "parallel.cp": (Refused({"parallel.cp": 2}, "context parallelism is not implemented yet"),),
+    "parallel.cp": (reads("dist/mesh.py"), Derives({"parallel.cp": 2}, ("parallel.dp",))),
+    "parallel.cp_algorithm": (reads("parallel/context/apply.py"),
+                              Refused({"parallel.cp_algorithm": "ulysses"}, "but parallel.cp=1")),
+    "parallel.cp_balance": (reads("parallel/context/apply.py"),
+                            Refused({"parallel.cp_balance": "none"}, "but parallel.cp=1")),
     "parallel.ep": (Refused({"parallel.ep": 2}, "expert parallelism is not implemented yet"),),
     "parallel.zero": (reads("train/engine.py"),),
     "parallel.zero_unit": (reads("train/engine.py"),

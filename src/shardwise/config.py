@@ -50,6 +50,10 @@ COMM_ALGORITHMS = ("auto", "native", "naive", "star", "ring", "rabenseifner", "r
 """Gradient all-reduce algorithms (shardwise.dist.comm.allreduce; "auto" asks the cost model)."""
 COMM_COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")
 """Gradient compression methods (shardwise.dist.comm.compress)."""
+CP_ALGORITHMS = ("ring", "allgather", "ulysses")
+"""parallel.cp_algorithm (the same as shardwise.parallel.context.ALGORITHMS, which needs torch)."""
+CP_BALANCES = ("headtail", "none")
+"""parallel.cp_balance (shardwise.parallel.context.layout.BALANCES)."""
 
 CHOICES: dict[str, tuple] = {
     "model.preset": PRESET_NAMES, "model.flavor": FLAVORS,
@@ -59,6 +63,7 @@ CHOICES: dict[str, tuple] = {
     "parallel.zero_param_dtype": ZERO_PARAM_DTYPES, "parallel.pp_schedule": PP_SCHEDULES,
     "parallel.pp_partition": PP_PARTITIONS, "parallel.backend": BACKENDS, "run.device": DEVICES,
     "comm.algorithm": COMM_ALGORITHMS, "comm.compression": COMM_COMPRESSIONS,
+    "parallel.cp_algorithm": CP_ALGORITHMS, "parallel.cp_balance": CP_BALANCES,
 }
 """Every choice-valued field and the values it accepts (data.tokenizer and parallel.pp_partition also
 take a path / stage boundaries)."""
@@ -183,7 +188,13 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel stages (shardwise.parallel.pipeline); the model's blocks are split among them."""
     cp: int = 1
-    """Context-parallel size (not implemented yet: must be 1)."""
+    """Context-parallel size: the sequence of every layer split over cp ranks (shardwise.parallel.context)."""
+    cp_algorithm: str = "ring"
+    """With cp > 1: "ring" (ring attention, K/V rotate by isend/irecv), "allgather" (K/V gathered) or
+    "ulysses" (all-to-all from sequence- to head-sharded; heads must divide by cp)."""
+    cp_balance: str = "headtail"
+    """With cp > 1: "headtail" (2*cp chunks, rank r holds r and 2cp-1-r: equal causal work) or "none"
+    (contiguous)."""
     ep: int = 1
     """Expert-parallel size (not implemented yet: must be 1)."""
     zero: int = 0

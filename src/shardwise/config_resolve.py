@@ -38,6 +38,7 @@ def resolve_config(cfg: Config, world_size: int | None = None, tokenizer_vocab: 
     _resolve_batch(cfg.train, cfg.parallel.dp)
     _resolve_pipeline(cfg)
     _resolve_tensor_parallel(cfg)
+    _resolve_context_parallel(cfg)
     _validate_train(cfg.train)
     _check_zero_param_dtype(cfg)
     _validate_misc(cfg)
@@ -182,9 +183,10 @@ def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
             if world % model_parallel == 0
             else f"parallel.dp*tp*pp*cp={p.dp * model_parallel} does not match the world size {world}"
         )
-    for axis, name in (("cp", "context"), ("ep", "expert")):
-        if getattr(p, axis) != 1:
-            raise ConfigError(f"parallel.{axis}={getattr(p, axis)}: {name} parallelism is not implemented yet; use 1")
+    if p.ep != 1:
+        raise ConfigError(f"parallel.ep={p.ep}: expert parallelism is not implemented yet; use 1")
+    _choice("parallel.cp_algorithm", p.cp_algorithm)
+    _choice("parallel.cp_balance", p.cp_balance)
     if p.zero not in CHOICES["parallel.zero"]:
         raise ConfigError(f"parallel.zero={p.zero}: use 0 (off), 1, 2 or 3")
     if p.offload not in CHOICES["parallel.offload"]:
@@ -247,6 +249,34 @@ def _check_zero_param_dtype(cfg: Config) -> None:
         raise ConfigError(f"parallel.zero_param_dtype={p.zero_param_dtype!r} keeps ZeRO's flat parameters in bf16 "
                           f"beside fp32 masters; it needs parallel.zero >= 1 (is {p.zero}) and train.precision='bf16' "
                           f"(is {cfg.train.precision!r})")
+
+
+def _resolve_context_parallel(cfg: Config) -> None:
+    """Context parallelism cuts every sequence into cp pieces (2*cp chunks with head-tail balance);
+    Ulysses also splits the heads (of each tensor-parallel rank) over cp."""
+    p, m = cfg.parallel, cfg.model
+    if p.cp == 1:
+        return
+    chunks = 2 * p.cp if p.cp_balance == "headtail" else p.cp
+    if cfg.data.seq_len % (chunks * (p.tp if p.sequence_parallel else 1)):
+        what = f"{chunks} chunks (parallel.cp={p.cp}, parallel.cp_balance={p.cp_balance!r})"
+        if p.sequence_parallel:
+            what += f" of a multiple of parallel.tp={p.tp} (sequence parallel)"
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} does not divide into {what}")
+    if m.dropout > 0:
+        raise ConfigError(f"model.dropout={m.dropout} with parallel.cp={p.cp}: context-parallel attention has no "
+                          "attention dropout; use model.dropout=0")
+    if p.zero_hpz > 1:
+        raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} with parallel.cp={p.cp}: hpZ's node groups are cut from "
+                          "the dp ranks, but ZeRO shards over dp x cp; use parallel.zero_hpz=1")
+    if p.cp_algorithm == "ulysses":
+        heads, kv = m.n_heads // p.tp, max(m.n_kv_heads // p.tp, 1)
+        if heads % p.cp:
+            raise ConfigError(f"parallel.cp_algorithm='ulysses' splits the {heads} heads of each tensor-parallel "
+                              f"rank over parallel.cp={p.cp}; use a cp dividing {heads}, or 'ring'")
+        if kv % p.cp and p.cp % kv:
+            raise ConfigError(f"parallel.cp_algorithm='ulysses': {kv} key/value heads per tensor-parallel rank "
+                              f"neither divide by nor divide parallel.cp={p.cp}; use 'ring'")
 
 
 def _resolve_batch(t: TrainConfig, dp: int) -> None:
@@ -415,6 +445,10 @@ def _refuse_unused(cfg: Config) -> None:
          "reduces whole units; set parallel.zero_unit (blocks per unit) instead"),
         ("parallel.offload_dir", p.offload == "disk", f"is where parallel.offload='disk' writes, but "
          f"parallel.offload={p.offload!r}; set parallel.offload='disk' or remove it"),
+        ("parallel.cp_algorithm", p.cp > 1, "picks context-parallel attention, but parallel.cp=1; set "
+         "parallel.cp > 1 or remove it"),
+        ("parallel.cp_balance", p.cp > 1, "splits sequences over context-parallel ranks, but parallel.cp=1; set "
+         "parallel.cp > 1 or remove it"),
         ("comm.algorithm", not p.zero, f"applies to the data-parallel all-reduce; {zero} reduces with the "
          "backend's reduce-scatter and all-gather; use comm.algorithm='native'"),
         ("comm.compression", not p.zero, f"applies to the data-parallel all-reduce; {zero} reduces with the "

@@ -33,6 +33,10 @@ AXES = ("pp", "dp", "cp", "tp")
 ALL_AXES = (*AXES, "ep")
 """Every axis a ``Mesh`` answers for; ``ep`` subdivides ``dp * cp``."""
 
+JOINT_AXES = ("dp_cp",)
+"""Joint groups: ``dp_cp`` holds the ranks that differ only in (dp, cp) -- the ranks that hold the same
+weights and see different tokens, over which gradients and the loss are averaged (cp faster)."""
+
 
 # ---- the default process group ---------------------------------------------------------
 
@@ -202,6 +206,8 @@ class ParallelDims:
 
     def size(self, axis: str) -> int:
         _check_axis(axis)
+        if axis == "dp_cp":
+            return self.dp * self.cp
         return getattr(self, axis)
 
     def rank_grid(self) -> torch.Tensor:
@@ -221,6 +227,8 @@ class ParallelDims:
         if axis == "ep":
             grid = grid.reshape(self.pp, self.dp * self.cp // self.ep, self.ep, self.tp)
             return grid.permute(0, 1, 3, 2).reshape(-1, self.ep).tolist()
+        if axis == "dp_cp":
+            return grid.permute(0, 3, 1, 2).reshape(-1, self.dp * self.cp).tolist()
         d = AXES.index(axis)
         return grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
 
@@ -251,14 +259,21 @@ class ParallelDims:
                 f"parallel.dp*tp*pp*cp={self.world_size} does not match the world size {dist.get_world_size()}"
             )
         me = dist.get_rank()
-        mine = {axis: next(g for g in self.groups(axis) if me in g) for axis in ALL_AXES}
+        mine = {axis: next(g for g in self.groups(axis) if me in g) for axis in (*ALL_AXES, *JOINT_AXES)}
         device_mesh = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=AXES)
         groups = {axis: device_mesh.get_group(axis) for axis in AXES}
         for ranks in self.groups("ep"):  # every rank creates every group, in the same order
             g = dist.new_group(ranks)
             if me in ranks:
                 groups["ep"] = g
-        for axis in ALL_AXES:  # DeviceMesh must agree with our layout arithmetic
+        if self.cp == 1 or self.dp == 1:  # dp_cp is one of the axes themselves
+            groups["dp_cp"] = groups["dp" if self.cp == 1 else "cp"]
+        else:
+            for ranks in self.groups("dp_cp"):  # every rank creates every group, in the same order
+                g = dist.new_group(ranks)
+                if me in ranks:
+                    groups["dp_cp"] = g
+        for axis in (*ALL_AXES, *JOINT_AXES):  # DeviceMesh must agree with our layout arithmetic
             got = dist.get_process_group_ranks(groups[axis])
             if got != mine[axis]:
                 raise RuntimeError(f"mesh axis {axis}: DeviceMesh gave ranks {got}, expected {mine[axis]}")
@@ -266,8 +281,8 @@ class ParallelDims:
 
 
 def _check_axis(axis: str) -> None:
-    if axis not in ALL_AXES:
-        raise ValueError(f"unknown mesh axis {axis!r}; use one of {', '.join(ALL_AXES)}")
+    if axis not in ALL_AXES and axis not in JOINT_AXES:
+        raise ValueError(f"unknown mesh axis {axis!r}; use one of {', '.join((*ALL_AXES, *JOINT_AXES))}")
 
 
 # ---- the built mesh ---------------------------------------------------------------------------

@@ -6,7 +6,9 @@ for Llama does the same; DESIGN.md "How layouts compose"):
 1. tensor / sequence parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022 §4.2.2): the block's
    Linears and the embeddings become their parallel forms over the ``tp`` axis
    (:func:`shardwise.parallel.plan.apply_tensor_parallel`);
-2. context parallelism and experts plug in here (not implemented yet; refused by the config);
+2. context parallelism (Liu et al. 2023; Jacobs et al. 2023): every attention core runs over the ``cp``
+   axis, positions and the loss follow the rank's share of the sequence
+   (:func:`shardwise.parallel.context.apply_context_parallel`); experts plug in here (not implemented yet);
 3. activation recomputation, full or selective (:mod:`shardwise.train.recompute`), around what the
    previous steps produced;
 4. ``torch.compile`` of each block (``train.compile``, :mod:`shardwise.parallel.compile`);
@@ -23,6 +25,7 @@ from torch import nn
 from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import Mesh
 from shardwise.parallel.compile import apply_compile
+from shardwise.parallel.context import apply_context_parallel
 from shardwise.parallel.plan import apply_tensor_parallel
 from shardwise.train.recompute import apply_recompute
 
@@ -34,6 +37,8 @@ def parallelize(part: nn.Module, mesh: Mesh, cfg, ledger: CommLedger) -> nn.Modu
     if mesh.size("tp") > 1:
         apply_tensor_parallel(part, mesh.group("tp"), ledger["tp"],
                               sequence_parallel=cfg.parallel.sequence_parallel, cfg=cfg.model)
+    if mesh.size("cp") > 1:
+        apply_context_parallel(part, mesh, cfg, ledger["cp"])
     apply_recompute(part, cfg.train.recompute, cfg.train.recompute_every)
     if cfg.train.compile:
         apply_compile(part)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from shardwise.config import Config
 from shardwise.plan.comm import comm_items, pipeline_sent_bytes
+from shardwise.plan.context import cp_sent_bytes, ring_activation_bytes
 from shardwise.plan.flops import flops_per_token
 from shardwise.plan.hardware import BUILTIN_GPUS, Cluster
 from shardwise.plan.memory import (
@@ -61,23 +62,45 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
                            zero_unit=p.zero_unit, zero_hpz=p.zero_hpz)
     cluster = Cluster(BUILTIN_GPUS["H100"], gpus_per_node=world)  # placement only; times are not compared
     units = exact_zero_units(m, lay, p.bucket_mb, p.zero_unit, zero_hpz=p.zero_hpz)
-    # DataParallel's buckets carry one "had a gradient" flag per parameter tensor (a pipeline's do not)
-    flags = len(model_params(m)) if p.zero == 0 and p.pp == 1 and dp > 1 else 0
+    # DataParallel's buckets carry one "had a gradient" flag per parameter tensor of the rank's part
+    blocks = _rank0_blocks(cfg)
+    first_stage = ("tok_emb", "pos_emb")  # with pp > 1 rank 0 holds the first stage, never the head
+    flags = sum(1 for e in model_params(m) if e.block in blocks or (e.block is None and (
+        p.pp == 1 or e.name.split(".")[0] in first_stage))) if p.zero == 0 and dp * p.cp > 1 else 0
     items = [c for c in comm_items(m, lay, s, states, cluster, act_bytes, units, dp_flags=flags)
-             if c.technique != "pipeline"]
+             if c.technique not in ("pipeline", "context parallel")]
     p2p = pipeline_sent_bytes(m, lay, s)
     tp = tensor_parallel_bytes(items, lay, s, m.d_model, act_bytes) + tp_grad_sync_bytes(m, lay)
+    layers = len(blocks)  # the context-parallel terms are per block this rank holds
+    cp = cp_sent_bytes(m, lay, s, p.cp_algorithm, act_bytes, layers=layers)
     out = {"parameters": float(count_params(m).total), "flops_per_token": flops_per_token(m, s),
-           "tp_sent_bytes": tp, "comm_bytes": sum(c.total_payload for c in items if not
-                                                  c.technique.startswith("tensor parallel")) + tp + p2p,
+           "tp_sent_bytes": tp, "cp_sent_bytes": cp,
+           "comm_bytes": sum(c.total_payload for c in items if not
+                             c.technique.startswith("tensor parallel")) + tp + p2p + cp,
            "comm_sent_bytes": sum(c.sent_bytes for c in items) + p2p, "pp_sent_bytes": p2p,
            "mem_device_bytes": mem.total()}
     out.update(mem.by_metric())
+    if p.cp > 1 and p.cp_algorithm == "ring":  # what the ring keeps; the other algorithms' are not predicted
+        out["cp_attn_act_bytes"] = ring_activation_bytes(m, lay, s, act_bytes, layers=layers)
     for k in MODEL_STATE_METRICS:  # the accountant counts offloaded states too, wherever they live
         out[k] = sum(mem.by_metric(where)[k] for where in ("device", "host", "disk"))
     out["mem_grads_bytes"] += flags * 4  # the flags live in the fp32 gradient buckets too
     out["mem_total_bytes"] = sum(out[k] for k in MODEL_STATE_METRICS)
     return out
+
+
+def _rank0_blocks(cfg: Config) -> set[int]:
+    """Blocks global rank 0 holds: all of them, or its pipeline stages' (chunks c * pp) by the trainer's
+    partition (parallel.pp_partition)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return set(range(cfg.model.n_layers))
+    from shardwise.config_resolve import pipeline_partition
+    from shardwise.parallel.pipeline.partition import partition
+
+    method, boundaries = pipeline_partition(p.pp_partition)
+    split = partition(cfg.model, p.pp * p.pp_virtual, method, boundaries, seq_len=cfg.data.seq_len)
+    return {b for c in range(p.pp_virtual) for b in split[c * p.pp]}
 
 
 def tensor_parallel_bytes(items, lay: Layout, s: int, d_model: int, act_bytes: int) -> float:
@@ -88,7 +111,7 @@ def tensor_parallel_bytes(items, lay: Layout, s: int, d_model: int, act_bytes: i
     The parameters' gradient all-reduces are :func:`tp_grad_sync_bytes`."""
     if lay.tp == 1:
         return 0.0
-    tokens = lay.micro_batch * s
+    tokens = lay.micro_batch * (s // lay.cp)  # this rank's share of the sequence under context parallelism
     per_micro = (2 if lay.sequence_parallel else 1) * 2 * tokens * d_model * act_bytes + 3 * tokens * 4
     return sum(c.total_payload for c in items if c.technique.startswith("tensor parallel")) + \
         per_micro * lay.grad_accum
@@ -152,6 +175,9 @@ def compare_run(run_dir: Path, as_json: bool = False) -> int:
         rows.insert(2, ("pp_sent_bytes", pred["pp_sent_bytes"], meas.get("pp_sent_bytes")))
     if cfg.parallel.tp > 1:
         rows.insert(2, ("tp_sent_bytes", pred["tp_sent_bytes"], meas.get("tp_sent_bytes")))
+    if cfg.parallel.cp > 1:
+        rows.insert(2, ("cp_sent_bytes", pred["cp_sent_bytes"], meas.get("cp_sent_bytes")))
+        rows.insert(3, ("cp_attn_act_bytes", pred.get("cp_attn_act_bytes"), meas.get("cp_attn_act_bytes")))
     rows += [(k, pred[k], meas.get(k)) for k in (*MEMORY_METRICS, "mem_total_bytes")]
     rows += [(k, None, meas.get(k)) for k in ("tokens_per_s", "step_time_s", "mfu")]
     rows += [("parameters", pred["parameters"], None), ("flops_per_token", pred["flops_per_token"], None)]

@@ -196,11 +196,12 @@ def hpz_of(lay: Layout, zero_hpz: int = 1) -> int:
 def exact_zero_units(m: ModelSpec, lay: Layout, bucket_mb: float = 25.0, zero_unit: int = 1,
                      params: list[ParamEntry] | None = None, zero_hpz: int = 1) -> ZeroUnits | None:
     """The engine's padded flat units (:mod:`shardwise.plan.zero_layout`) when the layout is one the
-    ZeRO engine runs (ZeRO >= 1, dense model, no tp/pp/cp); None otherwise (the paper's formula).
+    ZeRO engine runs (ZeRO >= 1, dense model, no tp/pp; sharded over dp·cp); None otherwise (the paper's formula).
     ``zero_hpz`` is ``parallel.zero_hpz`` (ZeRO++ hpZ secondary partitions, see :func:`hpz_of`)."""
-    if lay.zero == 0 or m.n_experts or lay.tp * lay.pp * lay.cp != 1:
+    if lay.zero == 0 or m.n_experts or lay.tp * lay.pp != 1:
         return None
-    return zero_units(params if params is not None else model_params(m), lay.zero, lay.dp, bucket_mb, zero_unit,
+    return zero_units(params if params is not None else model_params(m), lay.zero, lay.dp * lay.cp, bucket_mb,
+                      zero_unit,
                       hpz_of(lay, zero_hpz))
 
 

@@ -38,6 +38,7 @@ from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import Mesh
 from shardwise.model import Transformer
 from shardwise.model.transformer import initial_value
+from shardwise.parallel.context import pop_attention_work
 from shardwise.parallel.data import DataParallel
 from shardwise.parallel.grad_norm import clip_grad_norm
 from shardwise.parallel.parallelize import parallelize
@@ -94,8 +95,9 @@ class Engine:
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, run_dir: Path):
         p = cfg.parallel
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        self.group = mesh.dp_group
-        """The gradient-reduction group (replicas of this rank's part)."""
+        self.group = mesh.group("dp_cp")
+        """The gradient-reduction group: the ranks holding the same weights (dp x cp; context-parallel ranks
+        hold the same part and see other pieces of the same sequences)."""
         self.ledger = CommLedger()
         """Every collective of this rank's techniques, counted where it is called, by mesh axis."""
         self.tp_rank = mesh.rank("tp")
@@ -179,6 +181,8 @@ class Engine:
         out = f"dp={self.mesh.dp_size}"
         if self.tp_group is not None:
             out += f" x tp={p.tp}" + (" (sequence parallel)" if p.sequence_parallel else "")
+        if self.mesh.size("cp") > 1:
+            out += f" x cp={p.cp} ({p.cp_algorithm}, {p.cp_balance})"
         if self.pp_group is not None:
             stages = ", ".join(f"{s.start}-{s.stop - 1}" for s in self.split)
             chunks = f", {p.pp_virtual} chunks per rank" if p.pp_virtual > 1 else ""
@@ -222,7 +226,8 @@ class Engine:
         return self.ledger.pop_metrics()
 
     def step_metrics(self) -> dict[str, float]:
-        return self.schedule.step_metrics()
+        """The schedule's (a pipeline's bubble) and the context-parallel attention work of the step."""
+        return {**self.schedule.step_metrics(), **pop_attention_work(self.module)}
 
     def write_timeline(self, run_dir: Path, step: int) -> None:
         self.schedule.write_timeline(run_dir, step)
@@ -237,7 +242,7 @@ class Engine:
         param groups. A ZeRO rank writes the slices of its shard; otherwise replicas are equal and
         data-parallel rank 0 writes the tensors (the rows each tensor-parallel rank owns) of its parts."""
         groups = self.order.param_groups(self.optimizer.param_groups) if dist.get_rank() == 0 else None
-        first = self.mesh.dp_rank == 0
+        first = self.mesh.rank("dp_cp") == 0
         if self.zero:
             pieces = zero_checkpoint_pieces(self.wrapper, self.optimizer, with_buffers=first and self.tp_rank == 0,
                                             ref_map=lambda i: self.order.ref[i])
@@ -284,4 +289,4 @@ class Engine:
         if self.tp_group is None and self.pp_group is None:
             return state if state is not None else self.module.state_dict()
         parts = self.parts if state is None else [self.wrapper.module]
-        return tp_state.gather_full_state(parts, self.tp_rank, active=self.mesh.dp_rank == 0, state=state)
+        return tp_state.gather_full_state(parts, self.tp_rank, active=self.mesh.rank("dp_cp") == 0, state=state)

@@ -21,6 +21,7 @@ from shardwise.config import Config
 from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus, val_indices
 from shardwise.dist.mesh import ParallelDims, init_distributed
 from shardwise.model import Transformer
+from shardwise.parallel.context import shard_windows
 from shardwise.train import memory as train_memory
 from shardwise.train import state as train_state
 from shardwise.train.checkpoint import latest_valid_checkpoint
@@ -53,7 +54,8 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     rank, world, _local_rank, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.run.device)
     dims = ParallelDims.from_config(cfg.parallel, world)
     mesh = dims.build(device.type)
-    dp_group, dp_rank, dp_size = mesh.dp_group, mesh.dp_rank, mesh.dp_size
+    dp_rank, dp_size = mesh.dp_rank, mesh.dp_size
+    loss_group, loss_ranks = mesh.group("dp_cp"), mesh.size("dp_cp")  # the loss is averaged over dp x cp
     run_dir = Path(run_dir)
     tcfg = cfg.train
 
@@ -63,8 +65,9 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     dist.barrier()
     if rank != 0:
         corpus = prepare_corpus(cfg.data, run_dir)
-    train_windows = TokenWindows(corpus.train_path, cfg.data.seq_len)
-    val_windows = TokenWindows(corpus.val_path, cfg.data.seq_len)
+    # context parallelism: each cp rank reads its replica's windows and keeps its part of every sequence
+    train_windows = shard_windows(TokenWindows(corpus.train_path, cfg.data.seq_len), mesh, cfg)
+    val_windows = shard_windows(TokenWindows(corpus.val_path, cfg.data.seq_len), mesh, cfg)
     sampler = DistributedWindowSampler(len(train_windows), tcfg.global_batch, tcfg.seed, dp_rank, dp_size)
 
     # Model and techniques: every rank builds what it holds from the seed, composed in one order (train/engine.py).
@@ -105,7 +108,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     losses: list[float] = []
     val_loss = None
     if start_step == 0:  # the untrained model's validation loss: the baseline the run improves on
-        val_loss = evaluate(engine, val_windows, tcfg, dp_rank, dp_size, dp_group, device)
+        val_loss = evaluate(engine, val_windows, tcfg, dp_rank, dp_size, loss_group, device)
         if val_loss is None:
             log.log_event(f"the validation split holds {len(val_windows)} windows of {cfg.data.seq_len} tokens, too "
                           "few for every rank: no val_loss (raise data.val_fraction or use a larger corpus)")
@@ -134,8 +137,8 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         optimizer.zero_grad(set_to_none=True)
 
         step_loss = replica_loss.clone()
-        dist.all_reduce(step_loss, op=dist.ReduceOp.SUM, group=dp_group)
-        step_loss = step_loss.item() / dp_size
+        dist.all_reduce(step_loss, op=dist.ReduceOp.SUM, group=loss_group)
+        step_loss = step_loss.item() / loss_ranks
         losses.append(step_loss)
         elapsed = time.perf_counter() - t0 - accounting_s
         tokens_per_s = tokens_per_step / elapsed
@@ -147,7 +150,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         if scaler:
             metrics.update(loss_scale=scaler.scale, skipped_steps=float(scaler.skipped_steps))
         if done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
-            val_loss = evaluate(engine, val_windows, tcfg, dp_rank, dp_size, dp_group, device)
+            val_loss = evaluate(engine, val_windows, tcfg, dp_rank, dp_size, loss_group, device)
             if val_loss is not None:
                 metrics["val_loss"] = val_loss
         if accounted is not None:

@@ -1,0 +1,176 @@
+"""The attention core a context-parallel rank runs in place of :meth:`shardwise.model.layers.Attention.core`.
+
+:class:`ContextAttention` holds what every algorithm needs -- the cp group and this rank's neighbours,
+the sequence layout, the counting-layer stats of the ``cp`` axis -- and counts the attention work it does:
+score entries of the forward pass in units of ``c x c`` tiles, ``c`` the length of one head-tail chunk
+(``T / 2cp``), a causal (diagonal) tile counting half. With head-tail balance every rank does ``2 cp``
+tiles per layer and micro-batch; with a contiguous split rank ``r`` does ``4 r + 2``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from shardwise.dist.comm.counting import CommStats, nbytes
+from shardwise.parallel.context.blocks import BlockPair
+from shardwise.parallel.context.layout import SequenceLayout
+
+ALGORITHMS = ("ring", "allgather", "ulysses")
+
+
+@dataclass(eq=False)
+class ContextAttention:
+    """``core(q, k, v)`` on ``[B, H, t, d]`` heads of this rank's ``t`` tokens: causal attention over the
+    whole sequence by ``algorithm`` ("ring", "allgather" or "ulysses")."""
+
+    algorithm: str
+    layout: SequenceLayout
+    group: object
+    ranks: list[int]
+    stats: CommStats | None = None
+    work: float = field(default=0.0)
+    """Forward score tiles computed since the last :func:`pop_attention_work` (see the module docstring)."""
+    saved_bytes: int = 0
+    """Bytes of the tensors autograd kept for backward from this core's forward calls (measured by
+    ``saved_tensors_hooks``: every tensor saved by an op or by ``ctx.save_for_backward``, once per view).
+    Under activation checkpointing they are handed to the checkpoint, which keeps them only while it
+    recomputes that layer in backward."""
+    calls: int = 0
+    """Forward calls with gradients since the last pop (one per layer and micro-batch, more when recomputed)."""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"parallel.cp_algorithm={self.algorithm!r} is not valid; "
+                             f"use one of {', '.join(ALGORITHMS)}")
+
+    @property
+    def size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def next_rank(self) -> int:
+        return self.ranks[(self.rank + 1) % self.size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.ranks[(self.rank - 1) % self.size]
+
+    def count_send(self, t: torch.Tensor) -> None:
+        if self.stats is not None:
+            self.stats.hand(nbytes(t), backend=False)
+            self.stats.send(nbytes(t))
+
+    def _tile(self, t: int) -> float:
+        return (t / 2) ** 2  # c = t / 2 = T / 2cp
+
+    def count_work(self, pair: BlockPair, t: int) -> None:
+        self.work += pair.work(t, t) / self._tile(t)
+
+    def count_causal(self, seq: int, fraction: float) -> None:
+        """A causal ``seq x seq`` attention over ``fraction`` of the heads (Ulysses)."""
+        self.work += seq * seq / 2 * fraction / self._tile(seq // self.size)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self._attend(q, k, v)
+        seen: set = set()
+        # only the innermost hooks apply: chain to an enclosing pair (activation checkpointing's) so it still acts
+        outer_pack, outer_unpack = torch._C._autograd._top_saved_tensors_default_hooks(False) or (None, None)
+
+        def pack(t: torch.Tensor):
+            key = (t.data_ptr(), tuple(t.shape), t.dtype)
+            if key not in seen:
+                seen.add(key)
+                self.saved_bytes += nbytes(t)
+            return t if outer_pack is None else outer_pack(t)
+
+        def unpack(x):
+            return x if outer_unpack is None else outer_unpack(x)
+
+        self.calls += 1
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return self._attend(q, k, v)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.algorithm == "ring":
+            from shardwise.parallel.context.ring import RingAttentionFunction
+
+            return RingAttentionFunction.apply(q, k, v, self)
+        if self.algorithm == "allgather":
+            from shardwise.parallel.context.allgather import allgather_attention
+
+            return allgather_attention(q, k, v, self)
+        from shardwise.parallel.context.ulysses import ulysses_attention
+
+        return ulysses_attention(q, k, v, self)
+
+
+def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:
+    """This step's attention work of the context-parallel cores in ``module``, counters reset; ``{}`` without
+    context parallelism.
+
+    * ``cp_attn_tiles``: this rank's forward score tiles; ``cp_attn_tiles_max`` / ``_min`` over its cp group
+      and their ratio ``cp_attn_imbalance`` (gathered over the cp group: a collective that every cp rank
+      calls at the same point of the step; bookkeeping, not counted as the technique's traffic);
+    * ``cp_attn_act_bytes``: bytes the cores keep for backward per micro-batch, over all this rank's layers
+      (measured, see :attr:`ContextAttention.saved_bytes`)."""
+    from shardwise.model.layers import Attention
+
+    cores, layers = {}, {}
+    for m in module.modules():
+        if isinstance(m, Attention):
+            core = m.__dict__.get("core")
+            while core is not None and not isinstance(core, ContextAttention):
+                core = getattr(core, "__wrapped__", None)  # selective recompute wraps it
+            if core is not None:
+                cores[id(core)] = core
+                layers[id(core)] = layers.get(id(core), 0) + 1
+    if not cores:
+        return {}
+    total = sum(c.work for c in cores.values())
+    act = sum(c.saved_bytes / c.calls * layers[i] for i, c in cores.items() if c.calls)
+    for c in cores.values():
+        c.work, c.saved_bytes, c.calls = 0.0, 0, 0
+    core = next(iter(cores.values()))
+    device = next(module.parameters()).device
+    mine = torch.tensor([total], dtype=torch.float64, device=device)
+    gathered = torch.zeros(core.size, dtype=torch.float64, device=device)
+    dist.all_gather_single(gathered, mine, group=core.group)
+    hi, lo = float(gathered.max()), float(gathered.min())
+    return {"cp_attn_tiles": float(total), "cp_attn_tiles_max": hi, "cp_attn_tiles_min": lo,
+            "cp_attn_imbalance": hi / lo if lo else float("inf"), "cp_attn_act_bytes": float(act)}
+
+
+class ContextParallelLoss:
+    """The loss of a context-parallel rank: the mean over the *whole* sequence's tokens of its replica.
+
+    This rank holds ``1/cp`` of each sequence; it returns ``cp * (its loss sum) / (token count over the cp
+    group)``, so that the average over the cp ranks (what the gradient reduction over dp x cp computes) is
+    the sum over the sequence divided by its token count -- exact also when ranks hold different numbers
+    of labelled tokens. Wraps the model's loss (a vocabulary-parallel one under tensor parallelism)."""
+
+    def __init__(self, inner, group, cp: int, stats: CommStats | None = None):
+        self.inner, self.group, self.cp, self.stats = inner, group, cp, stats
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if hasattr(self.inner, "sum_and_count"):
+            total, count = self.inner.sum_and_count(logits, targets)
+        else:
+            total = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                                      ignore_index=-100, reduction="sum")
+            count = (targets != -100).sum()
+        count = count.detach().clone()
+        if self.stats is not None:
+            self.stats.hand(nbytes(count), backend=True)
+        dist.all_reduce(count, group=self.group)
+        return total * self.cp / count
+
+    def __repr__(self) -> str:
+        return f"ContextParallelLoss(cp={self.cp}, inner={self.inner!r})"

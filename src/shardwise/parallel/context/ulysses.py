@@ -1,0 +1,92 @@
+"""DeepSpeed-Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling Training
+of Extreme Long Sequence Transformer Models", §3): an all-to-all turns sequence-sharded ``q, k, v``
+(every head, ``t = T / cp`` tokens) into head-sharded ones (``H / cp`` heads, all ``T`` tokens); each
+rank runs ordinary causal attention on its heads over the whole sequence, and a second all-to-all turns
+the output back. Communication per rank is ``O(T d / cp)`` per all-to-all, independent of the ring's
+``cp`` steps; the head count must divide by cp.
+
+Grouped-query attention with fewer key/value heads than ranks: each kv head is replicated ``cp / Hkv``
+times before the all-to-all, so rank ``j`` receives the kv head its query heads ``j H/cp ..`` use
+(query head ``h`` uses kv head ``h // (H / Hkv)``); the replicas' gradients are summed by the
+replication's backward.
+
+The gathered sequence is the ranks' local sequences one after another, which under head-tail balance is
+a permutation of the true order: it is put back in order for the causal kernel and permuted back after.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardwise.dist.comm.counting import nbytes
+
+
+def _all_to_all(x: torch.Tensor, core) -> torch.Tensor:
+    """``x [n, ...]``: piece ``j`` goes to rank ``j``; returns the pieces received, ``[n, ...]`` by source."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if core.stats is not None:
+        core.stats.hand(nbytes(x), backend=True)
+    dist.all_to_all_single(out, x, group=core.group)
+    return out
+
+
+def _seq_to_heads(x: torch.Tensor, core) -> torch.Tensor:
+    """``[B, H, t, d]`` (this rank's tokens) -> ``[B, H/n, n*t, d]`` (this rank's heads, every token)."""
+    b, h, t, d = x.shape
+    n = core.size
+    pieces = x.view(b, n, h // n, t, d).transpose(0, 1)  # [n, B, H/n, t, d]: head group j to rank j
+    got = _all_to_all(pieces, core)  # [n(src), B, H/n, t, d]
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * t, d)
+
+
+def _heads_to_seq(x: torch.Tensor, core) -> torch.Tensor:
+    """The inverse of :func:`_seq_to_heads`."""
+    b, hn, nt, d = x.shape
+    n = core.size
+    pieces = x.view(b, hn, n, nt // n, d).permute(2, 0, 1, 3, 4)  # [n, B, H/n, t, d]: tokens of rank j to j
+    got = _all_to_all(pieces, core)  # [n(src heads), B, H/n, t, d]
+    return got.transpose(0, 1).reshape(b, n * hn, nt // n, d)
+
+
+class _Reshard(torch.autograd.Function):
+    """Sequence-sharded -> head-sharded (``to_heads``) or back; the gradient goes the other way."""
+
+    @staticmethod
+    def forward(ctx, x, core, to_heads: bool):
+        ctx.core, ctx.to_heads = core, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, core)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.core), None, None
+
+
+def kv_replicas(n_kv_heads: int, cp: int) -> int:
+    """How many times each kv head is repeated so that the kv heads split over ``cp`` ranks (1: they do)."""
+    if n_kv_heads % cp == 0:
+        return 1
+    if cp % n_kv_heads == 0:
+        return cp // n_kv_heads
+    raise ValueError(f"ulysses: {n_kv_heads} key/value heads neither divide by nor divide parallel.cp={cp}")
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core) -> torch.Tensor:
+    """Causal attention of this rank's tokens ``q [B, H, t, d]``, ``k, v [B, Hkv, t, d]`` by two all-to-alls."""
+    n, t = core.size, q.shape[2]
+    if q.shape[1] % n:
+        raise ValueError(f"ulysses: {q.shape[1]} query heads on this rank do not divide by parallel.cp={n}")
+    rep = kv_replicas(k.shape[1], n)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    qh = _Reshard.apply(q, core, True)
+    kvh = _Reshard.apply(torch.cat((k, v)), core, True)  # keys and values in one all-to-all (batch 2B)
+    kh, vh = kvh.chunk(2)
+    positions = torch.cat([core.layout.positions(t, rank=j) for j in range(n)]).to(q.device)
+    order = positions.argsort()  # gathered order -> true order
+    y = F.scaled_dot_product_attention(qh[:, :, order], kh[:, :, order], vh[:, :, order], is_causal=True,
+                                       enable_gqa=kh.shape[1] != qh.shape[1])
+    core.count_causal(n * t, fraction=1 / n)
+    return _Reshard.apply(y[:, :, order.argsort()], core, False)
