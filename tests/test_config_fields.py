@@ -139,7 +139,7 @@ def test_choice_tuples_equal_their_consumers():
     assert set(CHOICES["comm.algorithm"]) == {"auto", *ALL_REDUCE_ALGORITHMS}
 
 
-FREE_TEXT = {"data.source", "data.text_field", "data.cache_dir", "parallel.offload_dir", "run.dir"}
+FREE_TEXT = {"data.source", "data.text_field", "data.cache_dir", "parallel.offload_dir", "run.dir", "run.fault"}
 """Text fields that are not a choice among names (paths, a column name)."""
 
 
@@ -294,6 +294,8 @@ PROOFS: dict[str, tuple] = {
     "run.device": (Derives({"run.device": "cpu"}, ("parallel.backend",)),),
     "run.progress": (reads("train/loop.py"),),
     "run.tensorboard": (reads("train/loop.py"),),
+    "run.max_restarts": (reads("launch.py"),),
+    "run.fault": (reads("train/loop.py"), Refused({"run.fault": "kill@3:r5"}, "rank 5 does not exist")),
 }
 """How each field is proven to matter: read by a named consumer, deriving other fields, and (for a field
 read only in some layouts) refused in a layout that would not read it."""

@@ -261,6 +261,12 @@ class RunConfig:
     """Show a progress bar on the terminal."""
     tensorboard: bool = True
     """Write TensorBoard event files into the run directory."""
+    max_restarts: int | None = None
+    """Times torch's elastic agent restarts the whole group after a worker fails (crash, kill, hang past the
+    timeouts); each restart resumes from the newest valid checkpoint. Default 3 with ckpt.every > 0, else 0."""
+    fault: str = ""
+    """For failover tests only: failures to inject, "KIND@STEP:rRANK,..." (the i-th in restart attempt i;
+    KIND kill, stop, hang or save), see shardwise.train.faults. Empty (the default): none."""
 
 
 @dataclass

@@ -369,6 +369,22 @@ def _validate_misc(cfg: Config) -> None:
     _positive("comm.timeout_s", cfg.comm.timeout_s, allow_zero=True)
     _positive("ckpt.every", cfg.ckpt.every, allow_zero=True)
     _positive("ckpt.keep", cfg.ckpt.keep)
+    _resolve_restarts(cfg)
+
+
+def _resolve_restarts(cfg: Config) -> None:
+    """run.max_restarts defaults to 3 when checkpoints are written during the run (a restart resumes from
+    one), else 0; run.fault (test-only) must name existing ranks and steps."""
+    from shardwise.train.faults import parse_faults
+
+    r = cfg.run
+    if r.max_restarts is None:
+        r.max_restarts = 3 if cfg.ckpt.every > 0 else 0
+    _positive("run.max_restarts", r.max_restarts, allow_zero=True)
+    faults = parse_faults(r.fault, cfg.parallel.nproc * cfg.parallel.nnodes, cfg.train.steps)
+    if len(faults) > r.max_restarts + 1:
+        raise ConfigError(f"run.fault={r.fault!r} injects {len(faults)} failures, one per attempt, but "
+                          f"run.max_restarts={r.max_restarts} allows {r.max_restarts + 1} attempts; raise it")
 
 
 def _refuse_unused(cfg: Config) -> None:

@@ -109,7 +109,7 @@ def launch(cfg: Config, debug: bool = False) -> Path:
     resolved, run_dir = prepare_run(cfg)
     nproc = resolved.parallel.nproc
     try:
-        if nproc == 1:
+        if nproc == 1 and not cfg.run.max_restarts:  # one in-process worker, unless restarts were asked for
             from shardwise.train.loop import train
 
             train(resolved, run_dir)
@@ -134,7 +134,7 @@ def _spawn(cfg: Config, run_dir: Path, nproc: int, debug: bool) -> None:
         run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
+        max_restarts=cfg.run.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )
@@ -150,18 +150,22 @@ def _spawn(cfg: Config, run_dir: Path, nproc: int, debug: bool) -> None:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message, trace = _failure_text(failure)
-        raise WorkerFailed(f"worker rank {rank} failed: {message}", trace) from None
+        after = f" (after {cfg.run.max_restarts} restart(s))" if cfg.run.max_restarts else ""
+        raise WorkerFailed(f"worker rank {rank} failed{after}: {message}", trace) from None
 
 
 def worker_entry(cfg_tree: dict, run_dir: str) -> None:
     """Body of each spawned worker (module-level so the spawn start method can import it)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from shardwise.dist.diagnose import diagnosed, run_dir_recorder
     from shardwise.dist.mesh import shutdown_distributed
     from shardwise.train.loop import train
 
     def run() -> None:
-        train(Config.from_dict(cfg_tree), Path(run_dir))
+        # a failed collective names itself and the ranks that did not answer; every failure is recorded
+        # in RUN_DIR/failures.jsonl for the restarted group to report (train/recovery.py)
+        diagnosed(lambda: train(Config.from_dict(cfg_tree), Path(run_dir)), run_dir_recorder(Path(run_dir)))
         shutdown_distributed()
 
     # Ctrl-C reaches every process of the terminal's group (and the launcher passes it on): a worker just
