@@ -107,3 +107,39 @@ def test_max_restarts_defaults_to_three_when_checkpoints_are_written():
         return Config.load(overrides={"parallel.nproc": "2", **o}).resolve(tokenizer_vocab=257).run.max_restarts
 
     assert (resolved(), resolved(**{"ckpt.every": "0"}), resolved(**{"run.max_restarts": "1"})) == (3, 0, 1)
+
+
+def _hung_peer(port: int, algorithm: str):
+    """Rank 1 never joins an all-reduce on a group with a 1.5 s timeout (ours: comm's timeout_s); rank 0's
+    error names the collective and rank 1 (roll call on a store only rank 0 writes to)."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from shardwise.dist.comm import all_reduce
+    from shardwise.dist.diagnose import describe
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=1.5))
+    if dist.get_rank() == 1:
+        time.sleep(2.0)  # hung: past rank 0's timeout
+        return None
+    store = dist.TCPStore("127.0.0.1", port, world_size=1, is_master=True, wait_for_workers=False)
+    try:
+        if algorithm == "backend":
+            dist.all_reduce(torch.ones(4), group=group)
+        else:
+            all_reduce(torch.ones(4), group=group, algorithm=algorithm, verify=False, timeout_s=1.5)
+    except (RuntimeError, TimeoutError) as e:
+        return describe(e, 0, 2, wait_s=0.3, store=store)
+    return "no error"
+
+
+@pytest.mark.parametrize(("algorithm", "name"), [("backend", "all_reduce"), ("ring", "all_reduce/ring")])
+def test_a_hung_peer_is_named_with_the_collective(algorithm, name):
+    from shardwise.dist.mesh import free_port
+    from tests.harness import run_on_ranks
+
+    line = run_on_ranks(2, _hung_peer, free_port(), algorithm)[0]
+    assert line.startswith(f"{name} failed on rank 0: ranks not answering: [1]; backend: "), line
+    assert "imed out" in line and "\n" not in line

@@ -25,6 +25,7 @@ The failing rank then exits with that error; torch's elastic agent stops the gro
 from __future__ import annotations
 
 import os
+import re
 import time
 import traceback
 from collections.abc import Callable
@@ -35,6 +36,9 @@ import torch.distributed as dist
 
 _MARKERS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset", "Broken pipe",
             "point-to-point transfer failed", "DistBackendError", "gloo", "NCCL")
+
+
+_OWN_NAME = re.compile(r"^([a-z_]+/[a-z_0-9]+): ")
 
 
 class CollectiveFailure(RuntimeError):
@@ -52,11 +56,15 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 def failed_collective(exc: BaseException) -> str:
     """``name (file:line in function)`` of the collective on ``exc``'s stack, from the traceback."""
+    own = _OWN_NAME.match(str(exc))  # our collectives name themselves ("all_reduce/ring: timed out ...")
     frames = traceback.extract_tb(exc.__traceback__)
     torch_dist = [i for i, f in enumerate(frames) if f"{os.sep}torch{os.sep}distributed{os.sep}" in f.filename
                   and f.name not in ("wrapper", "_wrapper", "inner")]
     ours = [i for i, f in enumerate(frames) if f"{os.sep}shardwise{os.sep}" in f.filename]
-    if torch_dist:
+    if own:
+        name = own.group(1)
+        callers = [i for i in ours if f"{os.sep}dist{os.sep}comm{os.sep}" not in frames[i].filename]
+    elif torch_dist:
         name = frames[torch_dist[0]].name
         callers = [i for i in ours if i < torch_dist[0]]
     else:
@@ -69,16 +77,26 @@ def failed_collective(exc: BaseException) -> str:
     return f"{name} ({where}:{f.lineno} in {f.name})"
 
 
-def roll_call(rank: int, world: int, wait_s: float, attempt: str = "0") -> list[int] | None:
-    """Ranks that do not write their roll-call key within ``wait_s`` seconds; None when the store of the
-    job cannot be reached (no torchrun environment, or its host is the missing rank)."""
+def job_store(world: int, wait_s: float, attempt: str = "0"):
+    """A client of the job's TCPStore (torchrun's ``MASTER_ADDR:MASTER_PORT``), namespaced for the roll
+    call of this attempt; None outside a torchrun-style environment or when the store does not answer."""
     if world <= 1 or "MASTER_ADDR" not in os.environ:
         return None
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
                               is_master=False, timeout=timedelta(seconds=max(wait_s, 1.0)),
                               wait_for_workers=False)
-        store = dist.PrefixStore(f"rollcall/{attempt}", store)
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return None
+    return dist.PrefixStore(f"rollcall/{attempt}", store)
+
+
+def roll_call(store, rank: int, world: int, wait_s: float) -> list[int] | None:
+    """Write this rank's key, then return the ranks whose keys are still absent after ``wait_s`` seconds
+    (all present: returns as soon as they are); None when ``store`` is None or fails."""
+    if store is None:
+        return None
+    try:
         store.set(str(rank), "here")
         deadline = time.monotonic() + wait_s
         missing = list(range(world))
@@ -91,9 +109,12 @@ def roll_call(rank: int, world: int, wait_s: float, attempt: str = "0") -> list[
         return None
 
 
-def describe(exc: BaseException, rank: int, world: int, wait_s: float) -> str:
-    """The one-line explanation of a collective failure on ``rank``."""
-    missing = roll_call(rank, world, wait_s, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def describe(exc: BaseException, rank: int, world: int, wait_s: float, store=None) -> str:
+    """The one-line explanation of a collective failure on ``rank`` (roll call on ``store``, default the
+    job's store)."""
+    if store is None:
+        store = job_store(world, wait_s, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    missing = roll_call(store, rank, world, wait_s)
     who = "unknown (the job's store did not answer)" if missing is None else \
         (str(missing) if missing else "none (every rank reached the failure handler)")
     detail = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
