@@ -139,7 +139,8 @@ def test_choice_tuples_equal_their_consumers():
     assert set(CHOICES["comm.algorithm"]) == {"auto", *ALL_REDUCE_ALGORITHMS}
 
 
-FREE_TEXT = {"data.source", "data.text_field", "data.cache_dir", "parallel.offload_dir", "run.dir", "run.fault"}
+FREE_TEXT = {"data.source", "data.text_field", "data.cache_dir", "parallel.offload_dir", "run.dir", "run.fault",
+             "parallel.rdzv_endpoint"}
 """Text fields that are not a choice among names (paths, a column name)."""
 
 
@@ -242,6 +243,8 @@ PROOFS: dict[str, tuple] = {
     "train.peak_flops": (reads("train/loop.py"),),
     "parallel.nproc": (reads("launch.py"), Derives({"parallel.nproc": 1}, ("parallel.dp",))),
     "parallel.nnodes": (reads("launch.py"), Derives({"parallel.nnodes": 2}, ("parallel.dp",))),
+    "parallel.rdzv_endpoint": (reads("launch.py"), Refused({"parallel.rdzv_endpoint": "n0:29400"}, "nnodes=1")),
+    "parallel.rdzv_timeout_s": (reads("launch.py"), Refused({"parallel.rdzv_timeout_s": 5}, "nnodes=1")),
     "parallel.dp": (reads("dist/mesh.py"),),
     "parallel.tp": (reads("dist/mesh.py"), Derives({"parallel.tp": 2}, ("parallel.dp",))),
     "parallel.pp": (reads("train/engines.py"), Derives({"parallel.pp": 2}, ("parallel.dp", "parallel.microbatches"))),

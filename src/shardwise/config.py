@@ -170,7 +170,12 @@ class ParallelConfig:
     nproc: int | None = None
     """Worker processes on this machine; default the number of GPUs, or 2 without a GPU."""
     nnodes: int = 1
-    """Machines (set by torchrun on multi-node runs)."""
+    """Machines. With nnodes > 1 run the same `shardwise train` on every node with rdzv_endpoint and a shared
+    run.dir (torchrun's c10d rendezvous; see shardwise.dist.nodes)."""
+    rdzv_endpoint: str = ""
+    """With nnodes > 1: HOST:PORT of the rendezvous, an address of one of the nodes (which hosts it)."""
+    rdzv_timeout_s: float = 120.0
+    """With nnodes > 1: seconds to reach the rendezvous endpoint and for all nnodes nodes to join it."""
     dp: int | None = None
     """Data-parallel size; default world size / (tp * pp * cp)."""
     tp: int = 1

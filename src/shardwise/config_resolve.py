@@ -205,6 +205,7 @@ def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
                           f"use one of {_divisors(p.dp)}")
     _positive("parallel.bucket_mb", p.bucket_mb)
     _positive("parallel.timeout_s", p.timeout_s)
+    _positive("parallel.rdzv_timeout_s", p.rdzv_timeout_s)
 
 
 def _resolve_tensor_parallel(cfg: Config) -> None:
@@ -421,6 +422,10 @@ def _refuse_unused(cfg: Config) -> None:
          "reduces whole units; set parallel.zero_unit (blocks per unit) instead"),
         ("parallel.offload_dir", p.offload == "disk", f"is where parallel.offload='disk' writes, but "
          f"parallel.offload={p.offload!r}; set parallel.offload='disk' or remove it"),
+        ("parallel.rdzv_endpoint", p.nnodes > 1, "is where the nodes of a multi-node run meet, but "
+         "parallel.nnodes=1; set parallel.nnodes or remove it"),
+        ("parallel.rdzv_timeout_s", p.nnodes > 1, "bounds the rendezvous of a multi-node run, but "
+         "parallel.nnodes=1; set parallel.nnodes or remove it"),
         ("comm.algorithm", not p.zero, f"applies to the data-parallel all-reduce; {zero} reduces with the "
          "backend's reduce-scatter and all-gather; use comm.algorithm='native'"),
         ("comm.compression", not p.zero, f"applies to the data-parallel all-reduce; {zero} reduces with the "
