@@ -72,16 +72,18 @@ def test_zero3_survives_a_kill(tmp_path, cache_dir):
     assert [(r["resumed_step"], r["steps_lost"]) for r in restarts] == [(4, 1)]
 
 
-def test_pipeline_survives_a_hung_stage(tmp_path, cache_dir):
-    """pp 2: stage 1 hangs after step 4 is logged, before checkpoint 4 (so checkpoint 2 is the newest: 2
+def test_pipeline_survives_a_stopped_stage(tmp_path, cache_dir):
+    """pp 2: stage 1 is stopped (SIGSTOP) after step 4 is logged, before checkpoint 4 (so checkpoint 2 is the newest: 2
     steps lost); stage 0's next transfer times out after parallel.timeout_s, the error names the
-    collective and the rank that did not answer, and the agent restarts the group."""
+    collective and the rank that did not answer, and the agent restarts the group (SIGKILLing the stopped
+    process, which cannot act on SIGTERM)."""
     restarts, _, run_dir = _killed_run_matches_uninterrupted(
-        tmp_path, cache_dir, "hang@4:r1", **{"parallel.pp": 2, "parallel.timeout_s": 6})
+        tmp_path, cache_dir, "stop@4:r1", **{"parallel.pp": 2, "parallel.timeout_s": 6})
     assert [(r["resumed_step"], r["steps_lost"]) for r in restarts] == [(2, 2)]
     (failure,) = failures(run_dir, 0)
     assert failure["rank"] == 0 and "ranks not answering: [1]" in failure["error"], failure
     assert restarts[0]["cause"].startswith("rank 0: ") and "failed on rank 0" in restarts[0]["cause"]
+    assert "Timed out" in failure["error"] and "(" in failure["error"].split(" failed")[0], "names the call site"
 
 
 @pytest.mark.parametrize(("fault", "fragment"), [

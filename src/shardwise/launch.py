@@ -146,6 +146,7 @@ def _spawn(cfg: Config, run_dir: Path, nproc: int, debug: bool) -> None:
         max_restarts=cfg.run.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        shutdown_timeout=5,  # SIGTERM -> SIGKILL: a stopped (SIGSTOP) peer ignores SIGTERM; state is on disk
         **rdzv,
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

@@ -118,6 +118,7 @@ def describe(exc: BaseException, rank: int, world: int, wait_s: float, store=Non
     who = "unknown (the job's store did not answer)" if missing is None else \
         (str(missing) if missing else "none (every rank reached the failure handler)")
     detail = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+    detail = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", detail)  # gloo's "[.../unbound_buffer.cc:78] "
     return f"{failed_collective(exc)} failed on rank {rank}: ranks not answering: {who}; backend: {detail}"
 
 
