@@ -143,7 +143,8 @@ def test_choice_tuples_equal_their_consumers():
     assert set(CHOICES["comm.algorithm"]) == {"auto", *ALL_REDUCE_ALGORITHMS}
 
 
-FREE_TEXT = {"data.source", "data.text_field", "data.cache_dir", "parallel.offload_dir", "run.dir"}
+FREE_TEXT = {"data.source", "data.text_field", "data.cache_dir", "parallel.offload_dir", "run.dir", "run.fault",
+             "parallel.rdzv_endpoint"}
 """Text fields that are not a choice among names (paths, a column name)."""
 
 
@@ -247,6 +248,8 @@ PROOFS: dict[str, tuple] = {
     "train.peak_flops": (reads("train/loop.py"),),
     "parallel.nproc": (reads("launch.py"), Derives({"parallel.nproc": 1}, ("parallel.dp",))),
     "parallel.nnodes": (reads("launch.py"), Derives({"parallel.nnodes": 2}, ("parallel.dp",))),
+    "parallel.rdzv_endpoint": (reads("launch.py"), Refused({"parallel.rdzv_endpoint": "n0:29400"}, "nnodes=1")),
+    "parallel.rdzv_timeout_s": (reads("launch.py"), Refused({"parallel.rdzv_timeout_s": 5}, "nnodes=1")),
     "parallel.dp": (reads("dist/mesh.py"),),
     "parallel.tp": (reads("dist/mesh.py"), Derives({"parallel.tp": 2}, ("parallel.dp",))),
     "parallel.pp": (reads("train/engine.py"), Derives({"parallel.pp": 2}, ("parallel.dp", "parallel.microbatches"))),
@@ -307,6 +310,8 @@ PROOFS: dict[str, tuple] = {
     "run.device": (Derives({"run.device": "cpu"}, ("parallel.backend",)),),
     "run.progress": (reads("train/loop.py"),),
     "run.tensorboard": (reads("train/loop.py"),),
+    "run.max_restarts": (reads("launch.py"),),
+    "run.fault": (reads("train/loop.py"), Refused({"run.fault": "kill@3:r5"}, "rank 5 does not exist")),
 }
 """How each field is proven to matter: read by a named consumer, deriving other fields, and (for a field
 read only in some layouts) refused in a layout that would not read it."""

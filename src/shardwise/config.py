@@ -180,7 +180,12 @@ class ParallelConfig:
     nproc: int | None = None
     """Worker processes on this machine; default the number of GPUs, or 2 without a GPU."""
     nnodes: int = 1
-    """Machines (set by torchrun on multi-node runs)."""
+    """Machines. With nnodes > 1 run the same `shardwise train` on every node with rdzv_endpoint and a shared
+    run.dir (torchrun's c10d rendezvous; see shardwise.dist.nodes)."""
+    rdzv_endpoint: str = ""
+    """With nnodes > 1: HOST:PORT of the rendezvous, an address of one of the nodes (which hosts it)."""
+    rdzv_timeout_s: float = 120.0
+    """With nnodes > 1: seconds to reach the rendezvous endpoint and for all nnodes nodes to join it."""
     dp: int | None = None
     """Data-parallel size; default world size / (tp * pp * cp)."""
     tp: int = 1
@@ -283,6 +288,12 @@ class RunConfig:
     """Show a progress bar on the terminal."""
     tensorboard: bool = True
     """Write TensorBoard event files into the run directory."""
+    max_restarts: int | None = None
+    """Times torch's elastic agent restarts the whole group after a worker fails (crash, kill, hang past the
+    timeouts); each restart resumes from the newest valid checkpoint. Default 3 with ckpt.every > 0, else 0."""
+    fault: str = ""
+    """For failover tests only: failures to inject, "KIND@STEP:rRANK,..." (the i-th in restart attempt i;
+    KIND kill, stop, hang or save), see shardwise.train.faults. Empty (the default): none."""
 
 
 @dataclass

@@ -209,6 +209,7 @@ def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
                           f"use one of {_divisors(p.dp)}")
     _positive("parallel.bucket_mb", p.bucket_mb)
     _positive("parallel.timeout_s", p.timeout_s)
+    _positive("parallel.rdzv_timeout_s", p.rdzv_timeout_s)
 
 
 def _resolve_tensor_parallel(cfg: Config) -> None:
@@ -409,6 +410,22 @@ def _validate_misc(cfg: Config) -> None:
     _positive("comm.timeout_s", cfg.comm.timeout_s, allow_zero=True)
     _positive("ckpt.every", cfg.ckpt.every, allow_zero=True)
     _positive("ckpt.keep", cfg.ckpt.keep)
+    _resolve_restarts(cfg)
+
+
+def _resolve_restarts(cfg: Config) -> None:
+    """run.max_restarts defaults to 3 when checkpoints are written during the run (a restart resumes from
+    one), else 0; run.fault (test-only) must name existing ranks and steps."""
+    from shardwise.train.faults import parse_faults
+
+    r = cfg.run
+    if r.max_restarts is None:
+        r.max_restarts = 3 if cfg.ckpt.every > 0 else 0
+    _positive("run.max_restarts", r.max_restarts, allow_zero=True)
+    faults = parse_faults(r.fault, cfg.parallel.nproc * cfg.parallel.nnodes, cfg.train.steps)
+    if len(faults) > r.max_restarts + 1:
+        raise ConfigError(f"run.fault={r.fault!r} injects {len(faults)} failures, one per attempt, but "
+                          f"run.max_restarts={r.max_restarts} allows {r.max_restarts + 1} attempts; raise it")
 
 
 def _refuse_unused(cfg: Config) -> None:
@@ -449,6 +466,10 @@ def _refuse_unused(cfg: Config) -> None:
          "parallel.cp > 1 or remove it"),
         ("parallel.cp_balance", p.cp > 1, "splits sequences over context-parallel ranks, but parallel.cp=1; set "
          "parallel.cp > 1 or remove it"),
+        ("parallel.rdzv_endpoint", p.nnodes > 1, "is where the nodes of a multi-node run meet, but "
+         "parallel.nnodes=1; set parallel.nnodes or remove it"),
+        ("parallel.rdzv_timeout_s", p.nnodes > 1, "bounds the rendezvous of a multi-node run, but "
+         "parallel.nnodes=1; set parallel.nnodes or remove it"),
         ("comm.algorithm", not p.zero, f"applies to the data-parallel all-reduce; {zero} reduces with the "
          "backend's reduce-scatter and all-gather; use comm.algorithm='native'"),
         ("comm.compression", not p.zero, f"applies to the data-parallel all-reduce; {zero} reduces with the "

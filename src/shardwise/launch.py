@@ -100,16 +100,16 @@ def prepare_run(cfg: Config, world_size: int | None = None) -> tuple[Config, Pat
 
 
 def launch(cfg: Config, debug: bool = False) -> Path:
-    """Run the training job of ``cfg`` on ``parallel.nproc`` local workers; returns the run dir."""
-    if cfg.parallel.nnodes != 1:
-        raise ConfigError(
-            f"parallel.nnodes={cfg.parallel.nnodes}: `shardwise train` starts workers on this machine only; "
-            "on several machines run `torchrun --nnodes N --nproc-per-node M ... -m shardwise.train CONFIG` on each"
-        )
+    """Run the training job of ``cfg`` on ``parallel.nproc`` local workers (this node's share of
+    ``parallel.nnodes`` nodes, see :mod:`shardwise.dist.nodes`); returns the run dir."""
+    p = cfg.parallel
+    if p.nnodes > 1 and not (p.rdzv_endpoint and cfg.run.dir):
+        raise ConfigError(f"parallel.nnodes={p.nnodes} needs parallel.rdzv_endpoint=HOST:PORT (an address of one "
+                          "node) and run.dir (a directory every node shares), the same on every node")
     resolved, run_dir = prepare_run(cfg)
     nproc = resolved.parallel.nproc
     try:
-        if nproc == 1:
+        if nproc == 1 and p.nnodes == 1 and not cfg.run.max_restarts:  # one in-process worker
             from shardwise.train.loop import train
 
             train(resolved, run_dir)
@@ -123,20 +123,31 @@ def launch(cfg: Config, debug: bool = False) -> Path:
 def _spawn(cfg: Config, run_dir: Path, nproc: int, debug: bool) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from shardwise.dist.mesh import free_port
+    from shardwise.dist.nodes import node_settings
 
+    p = cfg.parallel
+    rdzv = dict(run_id=f"shardwise-{uuid.uuid4().hex[:8]}", rdzv_endpoint=f"127.0.0.1:{free_port()}")
+    if p.nnodes > 1:
+        node = node_settings(p.rdzv_endpoint, cfg.run.dir)
+        if node.ifname:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", node.ifname)  # gloo's interface: the one reaching HOST
+        rdzv = dict(run_id=node.run_id, rdzv_endpoint=node.endpoint, local_addr=node.local_addr,
+                    rdzv_configs={"is_host": node.is_host, "join_timeout": p.rdzv_timeout_s,
+                                  "read_timeout": p.rdzv_timeout_s})
     launch_cfg = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=p.nnodes,
+        max_nodes=p.nnodes,
         nproc_per_node=nproc,
-        run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
+        max_restarts=cfg.run.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        shutdown_timeout=5,  # SIGTERM -> SIGKILL: a stopped (SIGSTOP) peer ignores SIGTERM; state is on disk
+        **rdzv,
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     if not debug:  # the launcher's own log lines repeat the worker's error; WorkerFailed says it once
@@ -147,21 +158,29 @@ def _spawn(cfg: Config, run_dir: Path, nproc: int, debug: bool) -> None:
         elastic_launch(launch_cfg, worker_entry)(cfg.to_dict(), str(run_dir))
     except SignalException as e:  # the launcher stops the workers (SIGTERM), then raises this
         raise Interrupted(run_dir, e.sigval) from None
+    except RendezvousError as e:  # unreachable endpoint, or fewer than nnodes nodes joined in time
+        raise WorkerFailed(f"rendezvous at parallel.rdzv_endpoint={p.rdzv_endpoint or 'local'} failed "
+                           f"(parallel.nnodes={p.nnodes}, parallel.rdzv_timeout_s={p.rdzv_timeout_s:g}): "
+                           f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message, trace = _failure_text(failure)
-        raise WorkerFailed(f"worker rank {rank} failed: {message}", trace) from None
+        after = f" (after {cfg.run.max_restarts} restart(s))" if cfg.run.max_restarts else ""
+        raise WorkerFailed(f"worker rank {rank} failed{after}: {message}", trace) from None
 
 
 def worker_entry(cfg_tree: dict, run_dir: str) -> None:
     """Body of each spawned worker (module-level so the spawn start method can import it)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from shardwise.dist.diagnose import diagnosed, run_dir_recorder
     from shardwise.dist.mesh import shutdown_distributed
     from shardwise.train.loop import train
 
     def run() -> None:
-        train(Config.from_dict(cfg_tree), Path(run_dir))
+        # a failed collective names itself and the ranks that did not answer; every failure is recorded
+        # in RUN_DIR/failures.jsonl for the restarted group to report (train/recovery.py)
+        diagnosed(lambda: train(Config.from_dict(cfg_tree), Path(run_dir)), run_dir_recorder(Path(run_dir)))
         shutdown_distributed()
 
     # Ctrl-C reaches every process of the terminal's group (and the launcher passes it on): a worker just

@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    train(resolved, run_dir)
+    from shardwise.dist.diagnose import diagnosed, run_dir_recorder
+
+    diagnosed(lambda: train(resolved, run_dir), run_dir_recorder(run_dir))  # names a failed collective
     from shardwise.dist.mesh import shutdown_distributed
 
     shutdown_distributed()

@@ -26,10 +26,12 @@ from shardwise.train import memory as train_memory
 from shardwise.train import state as train_state
 from shardwise.train.checkpoint import latest_valid_checkpoint
 from shardwise.train.engine import Engine
+from shardwise.train.faults import FaultPlan
 from shardwise.train.flops import peak_flops, training_flops_per_token
 from shardwise.train.metrics import MetricsLogger, process_memory_bytes
 from shardwise.train.optim import lr_at, set_lr
 from shardwise.train.precision import DynamicLossScaler
+from shardwise.train.recovery import clean_partial_checkpoints, note_restart, resume_wanted
 from shardwise.train.sharded import save_sharded
 
 
@@ -80,7 +82,10 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     log = MetricsLogger(run_dir, enabled=rank == 0, total_steps=tcfg.steps,
                         tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
     ckpt_root = run_dir / "checkpoints"
-    if cfg.ckpt.resume:
+    faults = FaultPlan(cfg.run.fault, rank)  # test-only injected failures (train/faults.py)
+    if rank == 0:
+        clean_partial_checkpoints(ckpt_root, log.log_event)
+    if resume_wanted(cfg.ckpt.resume):  # asked for, or the elastic agent restarted the group
         found = latest_valid_checkpoint(ckpt_root, warn=log.log_event if rank == 0 else (lambda _m: None))
         if found is not None:
             reader = train_state.open_checkpoint(found)
@@ -92,6 +97,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         else:
             log.log_event(f"no valid checkpoint in {ckpt_root}; starting from step 0")
     log.start_step = start_step
+    note_restart(log, run_dir, start_step, cfg.run.max_restarts)  # a restarted group logs what was lost
 
     with torch.device("meta"):
         n_params = Transformer(cfg.model).num_parameters()
@@ -164,8 +170,9 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         log.log(done, metrics)
         if not math.isfinite(step_loss) and scaler is None:
             raise FloatingPointError(f"loss became {step_loss} at step {done}; lower train.lr or use train.grad_clip")
+        faults.after_step(done)
         if done == tcfg.steps or (cfg.ckpt.every and done % cfg.ckpt.every == 0):
-            _save(cfg, ckpt_root, done, engine, scaler, sampler, rank)
+            _save(cfg, ckpt_root, done, engine, scaler, sampler, rank, faults.during_save(done))
         if stop_after is not None and done >= stop_after:
             break
     log.close()
@@ -210,7 +217,7 @@ def evaluate(engine, windows: TokenWindows, tcfg, dp_rank: int, dp_size: int, gr
     return float(total[0] / total[1]) if total[1] else None
 
 
-def _save(cfg, root, step, engine, scaler, sampler, rank) -> None:
+def _save(cfg, root, step, engine, scaler, sampler, rank, after_write=None) -> None:
     """Every rank writes the pieces of the single-process state it holds (train/sharded.py): whole
     tensors from data-parallel rank 0, slices of its shard from every ZeRO rank, its layers from each
     pipeline stage; global rank 0 adds every rank's RNG state and the JSON state. Layout-free: the
@@ -221,4 +228,4 @@ def _save(cfg, root, step, engine, scaler, sampler, rank) -> None:
     if rank == 0:
         pieces = pieces + train_state.rng_pieces(rng_states)
         meta = train_state.capture_meta(param_groups, scaler, sampler, step, cfg)
-    save_sharded(root, step, pieces, meta, keep=cfg.ckpt.keep)
+    save_sharded(root, step, pieces, meta, keep=cfg.ckpt.keep, after_write=after_write)

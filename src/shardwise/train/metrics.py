@@ -181,7 +181,7 @@ class MetricsLogger:
                 self._progress.start()
             self._progress.update(self._task, completed=step, stats=stats)
             return
-        if not self._printed_any or step % self._print_every == 0 or step == self.total_steps:
+        if stats and (not self._printed_any or step % self._print_every == 0 or step == self.total_steps):
             self._printed_any = True
             self._console.print(
                 f"step {step}/{self.total_steps} | {stats}", markup=False, highlight=False, soft_wrap=True

@@ -17,7 +17,7 @@ need one file system visible to every writer (as DCP's file-system writer does).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,9 +51,11 @@ def whole(key: str, tensor: torch.Tensor) -> Piece:
     return Piece(key, tensor.detach().reshape(-1), 0, tuple(tensor.shape))
 
 
-def save_sharded(root: Path, step: int, pieces: list[Piece], meta: dict[str, Any] | None, keep: int) -> None:
+def save_sharded(root: Path, step: int, pieces: list[Piece], meta: dict[str, Any] | None, keep: int,
+                 after_write: Callable[[], None] | None = None) -> None:
     """Write checkpoint ``step``: every rank its ``pieces``, global rank 0 also ``meta`` (None elsewhere)
-    with the index added. A collective over the default group; a failed writer fails every rank."""
+    with the index added. A collective over the default group; a failed writer fails every rank.
+    ``after_write`` runs once this rank's file is written (failover tests kill the writer there)."""
     rank = dist.get_rank()
     holder = [begin_checkpoint(root, step) if rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)
@@ -68,6 +70,8 @@ def save_sharded(root: Path, step: int, pieces: list[Piece], meta: dict[str, Any
                       str(p.values.dtype).removeprefix("torch.")) for p in pieces]
     except Exception as e:  # noqa: BLE001 - reported to every rank below, then raised
         error = f"rank {rank}: {type(e).__name__}: {e}"
+    if after_write is not None:
+        after_write()
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (files, index, error))
     errors = [e for _, _, e in everyone if e]

@@ -1,0 +1,94 @@
+"""Injected faults, for testing failover only: ``run.fault`` names what goes wrong, where and when.
+
+A failure test needs a worker to die at a chosen point, reproducibly, in a real launch (torchrun's
+agent, real processes, real signals). ``run.fault`` is a comma-separated list of ``KIND@STEP:rRANK``;
+the i-th entry fires in restart attempt i only (``TORCHELASTIC_RESTART_COUNT``, the elastic agent's
+contract with its workers), so a restarted group does not fail the same way again and one launch can
+exercise several failures in turn. Kinds:
+
+* ``kill``  -- SIGKILL this rank right after optimizer step STEP is logged, before its checkpoint;
+* ``stop``  -- SIGSTOP it there (a hung peer that does not even answer SIGTERM);
+* ``hang``  -- sleep there forever (a hung peer that still dies on SIGTERM: faster to tear down);
+* ``save``  -- SIGKILL it while checkpoint STEP is being written: after its own shard file is written
+  and before the checkpoint is complete, leaving a partial temporary directory behind.
+
+Example: ``--run.fault kill@3:r1,save@6:r0``. Not for production runs; the empty default does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shardwise.config import ConfigError
+
+KINDS = ("kill", "stop", "hang", "save")
+_ITEM = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+):r(?P<rank>\d+)$")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected failure: ``kind`` at optimizer step ``step`` on global rank ``rank``."""
+
+    kind: str
+    step: int
+    rank: int
+
+
+def parse_faults(text: str, world: int | None = None, steps: int | None = None) -> list[Fault]:
+    """The entries of ``run.fault`` (one per restart attempt), or ConfigError naming what is wrong."""
+    if not text.strip():
+        return []
+    faults = []
+    for item in text.split(","):
+        m = _ITEM.match(item.strip())
+        if not m or m["kind"] not in KINDS:
+            raise ConfigError(f"run.fault={text!r}: {item.strip()!r} is not KIND@STEP:rRANK with KIND one of "
+                              f"{', '.join(KINDS)} (e.g. 'kill@3:r1'); it is for failover tests only")
+        fault = Fault(m["kind"], int(m["step"]), int(m["rank"]))
+        if world is not None and fault.rank >= world:
+            raise ConfigError(f"run.fault={text!r}: rank {fault.rank} does not exist in a world of {world}; "
+                              f"use r0..r{world - 1}")
+        if steps is not None and not 1 <= fault.step <= steps:
+            raise ConfigError(f"run.fault={text!r}: step {fault.step} is not among the run's steps 1..{steps}")
+        faults.append(fault)
+    return faults
+
+
+def restart_attempt() -> int:
+    """Which attempt of the group this is: 0 first, then 1, 2, ... after each restart by the agent."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class FaultPlan:
+    """The fault (if any) this rank injects in this attempt; every method is a no-op otherwise."""
+
+    def __init__(self, text: str, rank: int, attempt: int | None = None):
+        faults = parse_faults(text)
+        attempt = restart_attempt() if attempt is None else attempt
+        fault = faults[attempt] if attempt < len(faults) else None
+        self.fault = fault if fault is not None and fault.rank == rank else None
+
+    def after_step(self, step: int) -> None:
+        """Called once optimizer step ``step`` is done and logged (before its checkpoint)."""
+        f = self.fault
+        if f is not None and f.kind in ("kill", "stop", "hang") and f.step == step:
+            _fire(f.kind)
+
+    def during_save(self, step: int) -> Callable[[], None] | None:
+        """The callback checkpoint ``step``'s writer runs after writing its own file, or None."""
+        f = self.fault
+        if f is not None and f.kind == "save" and f.step == step:
+            return lambda: _fire("kill")
+        return None
+
+
+def _fire(kind: str) -> None:
+    if kind == "hang":
+        while True:
+            time.sleep(3600)
+    os.kill(os.getpid(), signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
