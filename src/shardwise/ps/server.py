@@ -73,9 +73,8 @@ class Server:
         active, ckpt = set(self.workers), {}
         while active or self._pulls:
             work = dist.irecv(hdr, src=None, tag=protocol.HEADER)
-            waiting = sorted(set(active) - set(ckpt)) or sorted({w for w, _, _ in self._pulls})
-            protocol.wait(work, self.timeout_s, f"ps server rank {self.rank}: a request from worker rank(s) {waiting} "
-                                                f"(complete clocks {self.applied}; a worker died or hangs)")
+            protocol.wait(work, self.timeout_s, f"ps server rank {self.rank}: a request from worker rank(s) "
+                                                f"{self._awaited(active, ckpt)} (a worker died or hangs)")
             w = work._source_rank()
             kind, clock, a, b = hdr.tolist()
             kind, clock = int(kind), int(clock)
@@ -97,6 +96,14 @@ class Server:
                 if self.on_checkpoint is not None:
                     self.on_checkpoint(step)
                 ckpt.clear()
+
+    def _awaited(self, active: set[int], ckpt: dict) -> str:
+        """The workers this server is waiting for: those a pending pull needs (bsp / ssp: the ones that
+        have not ended the next clock), else every live one not paused for a checkpoint."""
+        late = [w for w in self.workers if w not in self._ended.get(self.applied, ())]
+        if self._pulls and consistency.aggregates(self.mode) and late:
+            return f"{late} (clock {self.applied} incomplete)"
+        return str(sorted(set(active) - set(ckpt)))
 
     def _who(self, w: int, what: str) -> str:
         return f"ps server rank {self.rank}: {what} from worker rank {w}"
