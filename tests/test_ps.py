@@ -85,3 +85,46 @@ def test_asp_with_a_straggler_and_int8_pushes_trains(tmp_path, cache_dir):
     pushed = fast[3]["ps_bytes_pushed"]
     assert n_params * 1.0 < pushed < n_params * 1.2, "int8 pushes carry about a byte per value"
     assert fast[3]["ps_bytes_pulled"] >= 4 * n_params * 0.9
+
+
+# ---- partitions -------------------------------------------------------------------------------------
+
+
+def test_a_100mb_tensor_makes_25_partitions_covering_it():
+    from torch import nn
+
+    from shardwise.ps.partition import check_cover, partition_model
+
+    with torch.device("meta"):
+        model = nn.ModuleDict({"big": nn.Linear(5000, 5000, bias=False), "small": nn.Linear(10, 3)})
+    parts = partition_model(model, 4_096_000, n_servers=2)
+    big = [q for q in parts if q.name == "big.weight"]
+    assert len(big) == 25 and sum(q.numel for q in big) == 25_000_000  # 100 MB of fp32 at BytePS's default
+    check_cover(parts, {n: tuple(p.shape) for n, p in model.named_parameters()})
+    servers = [q.server for q in parts]
+    assert servers == sorted(servers) and set(servers) == {0, 1}, "contiguous key ranges, one per server"
+    per_server = [sum(q.nbytes for q in parts if q.server == s) for s in (0, 1)]
+    assert abs(per_server[0] - per_server[1]) <= 2 * 4_096_000  # balanced to within one partition
+    with pytest.raises(ValueError, match="starts at 1024000, expected 0"):
+        check_cover(parts[1:], {n: tuple(p.shape) for n, p in model.named_parameters()})
+
+
+def test_priority_follows_the_forward_order_and_the_credit_bounds_bytes_in_flight():
+    from shardwise.ps.scheduling import PushScheduler
+
+    class Done:
+        def wait(self, timeout=None):
+            return True
+
+    sent = []
+    sched = PushScheduler("priority", credit_bytes=100, send=lambda item: sent.append(item) or [(Done(), 60, "")],
+                          timeout_s=5)
+    sched.flight.in_flight = 1000  # pretend the network is busy: everything queues
+    for priority in (5, 3, 9, 0):
+        sched.ready(priority, priority, 60, f"layer{priority}")
+    assert sent == []
+    sched.flight.in_flight = 0
+    sched.flush()
+    assert sent == ["layer0", "layer3", "layer5", "layer9"]
+    assert sched.pop_metrics()["ps_push_max_in_flight_bytes"] <= 100
+    sched.close()

@@ -245,13 +245,16 @@ def _resolve_ps(cfg: Config) -> None:
     layouts = [("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1), ("parallel.zero", p.zero, 0)]
     for dotted, value, off in layouts:
         if value != off:
-            raise ConfigError(f"{dotted}={value} with ps.servers={ps.servers}: the parameter server holds whole "
-                              f"replicas on its workers; use {dotted}={off} or ps.servers=0")
+            raise ConfigError(f"ps.servers={ps.servers} with {dotted}={value}: the parameter server's workers hold "
+                              f"whole replicas; use {dotted}={off} or ps.servers=0")
+    if p.backend == "nccl":
+        raise ConfigError(f"ps.servers={ps.servers} with parallel.backend='nccl': the parameter server runs on "
+                          "gloo point-to-point (CPU tensors); use parallel.backend='gloo' or run.device='cpu'")
     if t.precision == "fp16":
-        raise ConfigError(f"train.precision='fp16' with ps.servers={ps.servers}: the loss scaler's skipped steps "
-                          "would need every worker to agree; use 'bf16' or 'fp32'")
+        raise ConfigError(f"ps.servers={ps.servers} with train.precision='fp16': the loss scaler's skipped steps "
+                          "would need every worker to agree; use train.precision='bf16' or 'fp32'")
     if t.recompute != "none":
-        raise ConfigError(f"train.recompute={t.recompute!r} with ps.servers={ps.servers}: the parameter-server "
+        raise ConfigError(f"ps.servers={ps.servers} with train.recompute={t.recompute!r}: the parameter-server "
                           "workers run the plain model; use train.recompute='none'")
 
 
