@@ -128,3 +128,50 @@ def test_priority_follows_the_forward_order_and_the_credit_bounds_bytes_in_fligh
     assert sent == ["layer0", "layer3", "layer5", "layer9"]
     assert sched.pop_metrics()["ps_push_max_in_flight_bytes"] <= 100
     sched.close()
+
+
+# ---- failures and checkpoints -------------------------------------------------------------------
+
+
+def _train_with_a_failing_worker(cfg, run_dir: str, fail_rank: int, at_clock: int):
+    import torch.distributed as dist
+
+    from shardwise.ps.worker import Worker
+    from shardwise.train.loop import train
+
+    if dist.get_rank() == fail_rank:
+        step = Worker.step
+
+        def failing(self, *args, **kwargs):
+            if self.clock == at_clock:
+                raise RuntimeError(f"injected failure at clock {at_clock}")
+            return step(self, *args, **kwargs)
+
+        Worker.step = failing
+    train(cfg, Path(run_dir))
+
+
+def test_a_failed_worker_is_named_and_nothing_hangs(tmp_path, cache_dir):
+    """Worker rank 1 stops at clock 3: the server (rank 2) and the other worker give up after
+    parallel.timeout_s, naming the worker they waited for, instead of hanging."""
+    cfg = make_config(tmp_path / "fail", cache_dir, 3, **PS, **{"parallel.timeout_s": 3})
+    with pytest.raises(AssertionError) as e:
+        run_on_ranks(3, _train_with_a_failing_worker, cfg, str(tmp_path / "fail"), 1, 3, timeout=60)
+    text = str(e.value)
+    assert "injected failure at clock 3" in text
+    assert "ps server rank 2: a request from worker rank(s) [1] (clock 3 incomplete)" in text
+    assert "ps worker rank 0: the other workers' losses of step 4: no answer within 3 s" in text
+
+
+def test_checkpoints_resume_in_ps_mode_and_in_all_reduce_mode(one_process, tmp_path, cache_dir):
+    """A bsp run stopped at step 5 resumes as bsp with two servers, and as all-reduce data parallelism,
+    from the same checkpoint; both end where one uninterrupted process ends."""
+    import shutil
+
+    over = {**PS, "ckpt.every": 5}
+    run(tmp_path, cache_dir, "ps", 3, stop_after=5, **over)
+    shutil.copytree(tmp_path / "ps", tmp_path / "dp")
+    losses, state = run(tmp_path, cache_dir, "ps", 4, **{"ps.servers": 2, "ckpt.every": 5, "ckpt.resume": "true"})
+    assert_same_training((losses, state), (one_process[0][5:], one_process[1]), atol=1e-5)
+    losses, state = run(tmp_path, cache_dir, "dp", 2, **{"ckpt.every": 5, "ckpt.resume": "true"})
+    assert_same_training((losses, state), (one_process[0][5:], one_process[1]), atol=1e-5)

@@ -36,16 +36,18 @@ def header(kind: int, clock: int, a: float = 0.0, b: float = 0.0) -> torch.Tenso
     return torch.tensor([kind, clock, a, b], dtype=torch.float64)
 
 
-def wait(work, timeout_s: float, what: str) -> None:
-    """Wait for a send / receive, or raise TimeoutError naming ``what`` (a dead peer raises at once)."""
+def wait(work, timeout_s: float, what) -> None:
+    """Wait for a send / receive / collective, or raise TimeoutError naming ``what`` (a string, or a
+    callable giving one when the wait failed); a broken connection is a RuntimeError naming it too."""
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:
+        text = what() if callable(what) else what
         if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise TimeoutError(f"{what}: no answer within {timeout_s:g} s") from None
-        raise RuntimeError(f"{what}: {str(e).splitlines()[0]}") from None
+            raise TimeoutError(f"{text}: no answer within {timeout_s:g} s") from None
+        raise RuntimeError(f"{text}: {str(e).splitlines()[0]}") from None
     if ok is False:
-        raise TimeoutError(f"{what}: no answer within {timeout_s:g} s")
+        raise TimeoutError(f"{what() if callable(what) else what}: no answer within {timeout_s:g} s")
 
 
 def nbytes(t: torch.Tensor) -> int:

@@ -175,7 +175,8 @@ def _work(cfg, run_dir, model, parts, codec, sampler, corpus, worker_group, log,
                        **worker.pop_metrics()}
             if ps.consistency == "bsp":  # workers are in lock-step anyway: report the global batch's loss
                 mean = torch.tensor([loss], dtype=torch.float64)
-                dist.all_reduce(mean, group=worker_group)
+                protocol.wait(dist.all_reduce(mean, group=worker_group, async_op=True), cfg.parallel.timeout_s,
+                              f"ps worker rank {rank}: the other workers' losses of step {done}")
                 metrics["loss"], metrics["worker_loss"] = float(mean) / n_workers, loss
             if tcfg.eval_every and done % tcfg.eval_every == 0 and done < tcfg.steps:
                 worker.pull(done)  # the weights the next step starts from

@@ -73,8 +73,8 @@ class Server:
         active, ckpt = set(self.workers), {}
         while active or self._pulls:
             work = dist.irecv(hdr, src=None, tag=protocol.HEADER)
-            protocol.wait(work, self.timeout_s, f"ps server rank {self.rank}: a request from worker rank(s) "
-                                                f"{self._awaited(active, ckpt)} (a worker died or hangs)")
+            protocol.wait(work, self.timeout_s, lambda: f"ps server rank {self.rank}: a request from worker rank(s) "
+                                                        f"{self._awaited(active, ckpt)} (a worker died or hangs)")
             w = work._source_rank()
             kind, clock, a, b = hdr.tolist()
             kind, clock = int(kind), int(clock)
@@ -98,10 +98,11 @@ class Server:
                 ckpt.clear()
 
     def _awaited(self, active: set[int], ckpt: dict) -> str:
-        """The workers this server is waiting for: those a pending pull needs (bsp / ssp: the ones that
-        have not ended the next clock), else every live one not paused for a checkpoint."""
-        late = [w for w in self.workers if w not in self._ended.get(self.applied, ())]
-        if self._pulls and consistency.aggregates(self.mode) and late:
+        """The workers this server is waiting for: with bsp / ssp, those that have not ended a clock others
+        ended, else every live one not paused for a checkpoint."""
+        ended = self._ended.get(self.applied, set())
+        late = [w for w in self.workers if w not in ended]
+        if ended and consistency.aggregates(self.mode):
             return f"{late} (clock {self.applied} incomplete)"
         return str(sorted(set(active) - set(ckpt)))
 
