@@ -139,7 +139,21 @@ def test_priority_follows_the_forward_order_and_the_credit_bounds_bytes_in_fligh
     sched.close()
 
 
-# ---- failures and checkpoints -------------------------------------------------------------------
+# ---
+
+
+def test_checkpoints_resume_in_ps_mode_and_in_all_reduce_mode(one_process, tmp_path, cache_dir):
+    """A bsp run stopped at step 3 resumes as bsp with two servers, and as all-reduce data parallelism,
+    from the same checkpoint; both end where one uninterrupted process ends."""
+    import shutil
+
+    over = {**PS, "ckpt.every": 3}
+    run(tmp_path, cache_dir, "ps", 3, stop_after=3, **over)
+    shutil.copytree(tmp_path / "ps", tmp_path / "dp")
+    losses, state = run(tmp_path, cache_dir, "ps", 4, **{"ps.servers": 2, "ckpt.every": 3, "ckpt.resume": "true"})
+    assert_same_training((losses, state), (one_process[0][3:], one_process[1]), atol=1e-5)
+    losses, state = run(tmp_path, cache_dir, "dp", 2, **{"ckpt.every": 3, "ckpt.resume": "true"})
+    assert_same_training((losses, state), (one_process[0][3:], one_process[1]), atol=1e-5)
 
 
 def _train_with_a_failing_worker(cfg, run_dir: str, fail_rank: int, at_clock: int):
@@ -170,17 +184,3 @@ def test_a_failed_worker_is_named_and_nothing_hangs(tmp_path, cache_dir):
     assert "injected failure at clock 3" in text
     assert "ps server rank 2: a request from worker rank(s) [1] (clock 3 incomplete)" in text
     assert "ps worker rank 0: the other workers' losses of step 4: no answer within 3 s" in text
-
-
-def test_checkpoints_resume_in_ps_mode_and_in_all_reduce_mode(one_process, tmp_path, cache_dir):
-    """A bsp run stopped at step 3 resumes as bsp with two servers, and as all-reduce data parallelism,
-    from the same checkpoint; both end where one uninterrupted process ends."""
-    import shutil
-
-    over = {**PS, "ckpt.every": 3}
-    run(tmp_path, cache_dir, "ps", 3, stop_after=3, **over)
-    shutil.copytree(tmp_path / "ps", tmp_path / "dp")
-    losses, state = run(tmp_path, cache_dir, "ps", 4, **{"ps.servers": 2, "ckpt.every": 3, "ckpt.resume": "true"})
-    assert_same_training((losses, state), (one_process[0][3:], one_process[1]), atol=1e-5)
-    losses, state = run(tmp_path, cache_dir, "dp", 2, **{"ckpt.every": 3, "ckpt.resume": "true"})
-    assert_same_training((losses, state), (one_process[0][3:], one_process[1]), atol=1e-5)

@@ -192,6 +192,7 @@ def _work(cfg, run_dir, model, parts, codec, sampler, corpus, worker_group, log,
                 break
     worker.pull(done, final=True)  # every worker's pushes applied: the run's final weights
     worker.control(protocol.STOP, done)
+    worker.scheduler.close()
     return losses, done
 
 
