@@ -156,31 +156,43 @@ def test_checkpoints_resume_in_ps_mode_and_in_all_reduce_mode(one_process, tmp_p
     assert_same_training((losses, state), (one_process[0][3:], one_process[1]), atol=1e-5)
 
 
-def _train_with_a_failing_worker(cfg, run_dir: str, fail_rank: int, at_clock: int):
+def _train_with_a_failure(cfg, run_dir: str, fail_rank: int, at_clock: int):
+    """Train, with rank ``fail_rank`` raising when it reaches ``at_clock`` (a worker's step, a server's update)."""
     import torch.distributed as dist
 
+    from shardwise.ps.server import Server
     from shardwise.ps.worker import Worker
     from shardwise.train.loop import train
 
+    cls, name = (Server, "_step") if fail_rank >= cfg.parallel.dp else (Worker, "step")
+    original = getattr(cls, name)
+
+    def failing(self, *args, **kwargs):
+        clock = args[1] if cls is Server else self.clock
+        if clock == at_clock:
+            raise RuntimeError(f"injected failure at clock {at_clock}")
+        return original(self, *args, **kwargs)
+
     if dist.get_rank() == fail_rank:
-        step = Worker.step
-
-        def failing(self, *args, **kwargs):
-            if self.clock == at_clock:
-                raise RuntimeError(f"injected failure at clock {at_clock}")
-            return step(self, *args, **kwargs)
-
-        Worker.step = failing
-    train(cfg, Path(run_dir))
+        setattr(cls, name, failing)
+    try:
+        train(cfg, Path(run_dir))
+    finally:
+        setattr(cls, name, original)
 
 
-def test_a_failed_worker_is_named_and_nothing_hangs(tmp_path, cache_dir):
-    """Worker rank 1 stops at clock 3: the server (rank 2) and the other worker give up after
-    parallel.timeout_s, naming the worker they waited for, instead of hanging."""
-    cfg = make_config(tmp_path / "fail", cache_dir, 3, **STEPS, **PS, **{"parallel.timeout_s": 3})
+@pytest.mark.parametrize("fail_rank", [1, 2], ids=["worker", "server"])
+def test_a_failed_rank_is_named_and_nothing_hangs(tmp_path, cache_dir, fail_rank):
+    """Worker rank 1 (or server rank 2) fails at clock 3: the others give up after parallel.timeout_s,
+    naming the rank they waited for, instead of hanging."""
+    cfg = make_config(tmp_path / "fail", cache_dir, 3, **STEPS, **PS, **{"parallel.timeout_s": 6})
     with pytest.raises(AssertionError) as e:
-        run_on_ranks(3, _train_with_a_failing_worker, cfg, str(tmp_path / "fail"), 1, 3, timeout=60)
+        run_on_ranks(3, _train_with_a_failure, cfg, str(tmp_path / "fail"), fail_rank, 3, timeout=60)
     text = str(e.value)
     assert "injected failure at clock 3" in text
-    assert "ps server rank 2: a request from worker rank(s) [1] (clock 3 incomplete)" in text
-    assert "ps worker rank 0: the other workers' losses of step 4: no answer within 3 s" in text
+    if fail_rank == 1:
+        assert "ps server rank 2: a request from worker rank(s) [1] (clock 3 incomplete)" in text
+        assert "ps worker rank 0: the other workers' losses of step 4: no answer within 6 s" in text
+    else:
+        for worker in (0, 1):
+            assert f"ps worker rank {worker}: weights for clock 4 to/from server rank 2: no answer within 6 s" in text

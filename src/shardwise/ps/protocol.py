@@ -28,6 +28,8 @@ from shardwise.dist.comm.compress import dequantize_int8, quantize_int8
 
 HEADER, DATA, REPLY = 11, 12, 13
 PUSH, END, PULL, CKPT, STOP = 1, 2, 3, 4, 5
+FAILED = -1
+"""Not a message: a server's listener reports a broken connection with it."""
 INFO = 4
 """Length of a pull's info row."""
 

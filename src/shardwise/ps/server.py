@@ -8,14 +8,17 @@ clock), weight decay on matrices only, and global-norm clipping (the norm summed
 partitions with a reduction over the servers' group, as ZeRO shards do, :mod:`shardwise.parallel.grad_norm`).
 When pushes are applied and pulls answered is :mod:`shardwise.ps.consistency`'s rule.
 
-It serves every worker from one loop: a receive from any source takes whichever request comes next (no
-thread, no socket of its own). No wait is unbounded: silence longer than ``timeout_s`` from the live
-workers, or a worker whose connection breaks, is an error naming the ranks.
+It serves every worker from one loop over an inbox that one listening thread per worker fills with that
+worker's requests in order (no socket of its own: torch.distributed receives). No wait is unbounded:
+silence longer than ``timeout_s`` from the live workers, or a worker whose connection breaks, is an
+error naming the ranks.
 """
 
 from __future__ import annotations
 
 import math
+import queue
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
@@ -58,7 +61,6 @@ class Server:
         self.bytes_received = self.bytes_sent = 0
         self.max_staleness_served = 0
         self._grads: dict = defaultdict(dict)  # (clock, worker) -> {key: gradient}
-        self._norms: dict[tuple[int, int], float] = {}
         self._ended: dict[int, set[int]] = defaultdict(set)
         self._pulls: list[tuple[int, int, bool]] = []
         self.on_checkpoint: Callable[[int], None] | None = None
@@ -67,27 +69,31 @@ class Server:
     # ---- the loop -------------------------------------------------------------------------------
 
     def serve(self) -> None:
-        """Serve until every worker sent STOP and every pull is answered: one request at a time, from
-        whichever worker sends next (a receive from any source), each wait bounded by ``timeout_s``."""
-        hdr = torch.empty(4, dtype=torch.float64)
+        """Serve until every worker sent STOP and every pull is answered, one request at a time in the
+        order they arrive; waiting longer than ``timeout_s`` for the next one is an error naming the ranks."""
+        inbox: queue.Queue = queue.Queue()
+        for w in self.workers:
+            threading.Thread(target=self._listen, args=(w, inbox), name=f"ps-listen-{w}", daemon=True).start()
         active, ckpt = set(self.workers), {}
         while active or self._pulls:
-            work = dist.irecv(hdr, src=None, tag=protocol.HEADER)
-            protocol.wait(work, self.timeout_s, lambda: f"ps server rank {self.rank}: a request from worker rank(s) "
-                                                        f"{self._awaited(active, ckpt)} (a worker died or hangs)")
-            w = work._source_rank()
-            kind, clock, a, b = hdr.tolist()
-            kind, clock = int(kind), int(clock)
+            try:
+                w, kind, clock, a, b, payload = inbox.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"ps server rank {self.rank}: a request from worker rank(s) "
+                                   f"{self._awaited(active, ckpt)} (a worker died or hangs): no answer within "
+                                   f"{self.timeout_s:g} s") from None
             if kind == protocol.STOP:
                 active.discard(w)
             elif kind == protocol.PUSH:
-                self._receive_push(w, clock, int(a))
+                self._push(w, clock, int(a), payload)
             elif kind == protocol.END:
                 self._end(w, clock, b)
             elif kind == protocol.PULL:
                 self._pulls.append((w, clock, bool(a)))
             elif kind == protocol.CKPT:
                 ckpt[w] = clock
+            elif kind == protocol.FAILED:
+                raise RuntimeError(f"ps server rank {self.rank}: the connection to worker rank {w} broke: {payload}")
             else:
                 raise RuntimeError(f"ps server rank {self.rank}: unknown request {kind} from worker rank {w}")
             self._answer_pulls()
@@ -96,6 +102,29 @@ class Server:
                 if self.on_checkpoint is not None:
                     self.on_checkpoint(step)
                 ckpt.clear()
+
+    def _listen(self, w: int, inbox: queue.Queue) -> None:
+        """One thread per worker: receive its requests in order (a push with its payload) into ``inbox``.
+        gloo reports a receive's completion only to ``wait()``, and a receive from any source can miss a
+        message under load, so each worker has a receive of its own; a broken connection is passed on."""
+        hdr = torch.empty(4, dtype=torch.float64)
+        while True:
+            try:
+                dist.irecv(hdr, src=w, tag=protocol.HEADER).wait()
+                kind, clock, a, b = hdr.tolist()
+                kind, clock, payload = int(kind), int(clock), None
+                if kind == protocol.PUSH:
+                    q = self.parts.get(int(a))
+                    if q is None:
+                        raise RuntimeError(f"worker rank {w} pushed key {int(a)}, which this server does not own")
+                    payload = self.codec.payload(q.numel)
+                    dist.irecv(payload, src=w, tag=protocol.DATA).wait()
+            except Exception as e:  # noqa: BLE001 - handed to the serving loop, which names the worker
+                inbox.put((w, protocol.FAILED, -1, 0.0, 0.0, str(e).splitlines()[0] if str(e) else repr(e)))
+                return
+            inbox.put((w, kind, clock, a, b, payload))
+            if kind == protocol.STOP:
+                return
 
     def _awaited(self, active: set[int], ckpt: dict) -> str:
         """The workers this server is waiting for: with bsp / ssp, those that have not ended a clock others
@@ -111,16 +140,10 @@ class Server:
 
     # ---- pushes ---------------------------------------------------------------------------------
 
-    def _receive_push(self, w: int, clock: int, key: int) -> None:
-        q = self.parts.get(key)
-        if q is None:
-            raise RuntimeError(f"ps server rank {self.rank}: worker rank {w} pushed key {key}, which it does not own")
-        buf = self.codec.payload(q.numel)
-        protocol.wait(dist.irecv(buf, src=w, tag=protocol.DATA), self.timeout_s,
-                      self._who(w, f"the push of key {key}, clock {clock},"))
-        self.bytes_received += protocol.nbytes(buf)
+    def _push(self, w: int, clock: int, key: int, payload: torch.Tensor) -> None:
+        self.bytes_received += protocol.nbytes(payload)
         self.pushes_received += 1
-        self._grads[(clock, w)][key] = self.codec.decode(buf, q.numel)
+        self._grads[(clock, w)][key] = self.codec.decode(payload, self.parts[key].numel)
 
     def _end(self, w: int, clock: int, sq: float) -> None:
         got = self._grads.get((clock, w), {})
