@@ -221,6 +221,10 @@ def _ps_world(cfg: Config, world_size: int | None) -> int | None:
     if s >= world:
         raise ConfigError(f"ps.servers={s} leaves no worker among the {world} ranks; use at most {world - 1} "
                           f"or raise parallel.nproc")
+    for dotted, value, off in [("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1), ("parallel.zero", p.zero, 0)]:
+        if value != off:  # checked first: the other layout checks would count the servers' ranks
+            raise ConfigError(f"ps.servers={s} with {dotted}={value}: the parameter server's workers hold "
+                              f"whole replicas; use {dotted}={off} or ps.servers=0")
     return world - s
 
 
@@ -242,11 +246,6 @@ def _resolve_ps(cfg: Config) -> None:
                               f"workers are ranks 0..{workers - 1} (the servers are the last {ps.servers})")
     if not ps.servers:
         return
-    layouts = [("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1), ("parallel.zero", p.zero, 0)]
-    for dotted, value, off in layouts:
-        if value != off:
-            raise ConfigError(f"ps.servers={ps.servers} with {dotted}={value}: the parameter server's workers hold "
-                              f"whole replicas; use {dotted}={off} or ps.servers=0")
     if p.backend == "nccl":
         raise ConfigError(f"ps.servers={ps.servers} with parallel.backend='nccl': the parameter server runs on "
                           "gloo point-to-point (CPU tensors); use parallel.backend='gloo' or run.device='cpu'")
