@@ -37,12 +37,17 @@ def records(run_dir: Path, rank: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory, cache_dir):
-    return run(tmp_path_factory.mktemp("ref"), cache_dir, "dp1", 1)
+def ref_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ref")
+
+
+@pytest.fixture(scope="module")
+def one_process(ref_dir, cache_dir):
+    return run(ref_dir, cache_dir, "dp1", 1)
 
 
 @pytest.mark.parametrize("servers", [1, 2])
-def test_bsp_equals_one_process(one_process, tmp_path, cache_dir, servers):
+def test_bsp_equals_one_process(one_process, ref_dir, tmp_path, cache_dir, servers):
     """bsp with 2 workers and S servers trains the model one process trains with the same global batch;
     with two servers, pushes go by priority under a 16 KiB credit (the order does not change the sums)."""
     sched = {"ps.scheduling": "priority", "ps.credit_kb": 16} if servers == 2 else {}
@@ -51,6 +56,10 @@ def test_bsp_equals_one_process(one_process, tmp_path, cache_dir, servers):
     rec = records(tmp_path / "bsp", 1)
     assert all(0 < r["ps_push_overlap_frac"] <= 1 for r in rec), "pushes start from gradient hooks in backward"
     assert all(r["ps_staleness"] == 0 for r in rec)
+    ref_norm = {r["step"]: r["grad_norm"] for r in map(json.loads, (ref_dir / "dp1" / "metrics.jsonl").open())
+                if "grad_norm" in r}
+    for r in rec[1:]:  # the weights of step k hold clock k - 2's update: one process's step k - 1
+        assert abs(r["ps_update_grad_norm"] - ref_norm[r["step"] - 1]) < 1e-4
     if servers == 2:
         assert all(r["ps_push_max_in_flight_bytes"] <= 16 * 1024 + 64 for r in rec)
 

@@ -8,7 +8,8 @@ and one server are matched in order per tag, so a server reads one worker's requ
 * ``END   [2, c, 0, sq]``: the worker's pushes of clock c are all sent; ``sq`` is its gradient's squared
   norm (asp clips each push by it);
 * ``PULL  [3, c, final, 0]``: parameters for clock c; answered with an info row ``[applied, updates,
-  pushes, staleness]`` and then each of the server's partitions, in key order;
+  pushes, staleness, norm]`` (norm: the gradient norm of the newest update applied) and then each of
+  the server's partitions, in key order;
 * ``CKPT  [4, step, 0, 0]``: every message before it is in; the server joins the checkpoint at ``step``;
 * ``STOP  [5, c, 0, 0]``: the worker is done.
 
@@ -30,7 +31,7 @@ HEADER, DATA, REPLY = 11, 12, 13
 PUSH, END, PULL, CKPT, STOP = 1, 2, 3, 4, 5
 FAILED = -1
 """Not a message: a server's listener reports a broken connection with it."""
-INFO = 4
+INFO = 5
 """Length of a pull's info row."""
 
 

@@ -60,6 +60,8 @@ class Server:
         self.pushes_received = 0
         self.bytes_received = self.bytes_sent = 0
         self.max_staleness_served = 0
+        self.last_norm = 0.0
+        """Global gradient norm (before clipping) of the newest update applied."""
         self._grads: dict = defaultdict(dict)  # (clock, worker) -> {key: gradient}
         self._ended: dict[int, set[int]] = defaultdict(set)
         self._pulls: list[tuple[int, int, bool]] = []
@@ -181,8 +183,10 @@ class Server:
         clip = self.tcfg.grad_clip
         if norm is None:
             pieces = [(p.grad, p) for p in self.params.values()]
-            clip_grad_norm(pieces, clip, shard_group=self.group, device=torch.device("cpu"))
-        elif clip > 0:
+            self.last_norm = clip_grad_norm(pieces, clip, shard_group=self.group, device=torch.device("cpu"))
+        else:
+            self.last_norm = norm
+        if norm is not None and clip > 0:
             coef = min(1.0, clip / (norm + 1e-6))
             for p in self.params.values():
                 p.grad.mul_(coef)
@@ -203,7 +207,8 @@ class Server:
                 continue
             stale = consistency.staleness_of(clock, self.applied)
             self.max_staleness_served = max(self.max_staleness_served, stale)
-            info = torch.tensor([self.applied, self.updates, self.pushes_received, stale], dtype=torch.float64)
+            info = torch.tensor([self.applied, self.updates, self.pushes_received, stale, self.last_norm],
+                                dtype=torch.float64)
             reply = [info] + [p.detach().clone() for p in self.params.values()]
             works = [dist.isend(t, dst=w, tag=protocol.REPLY) for t in reply]
             for work in works:

@@ -168,5 +168,7 @@ class Worker:
         for i, s in enumerate(self.servers):
             if s in self.server_info:
                 out[f"ps_server{i}_updates"] = self.server_info[s][1]
+        if self.server_info:  # bsp / ssp: the global batch's norm of the newest clock in this step's weights
+            out["ps_update_grad_norm"] = self.server_info[self.servers[0]][4]
         self.wait_s = self.bytes_pulled = 0.0
         return out
