@@ -74,6 +74,8 @@ def _context(dotted: str, value, tmp_path: Path) -> dict:
         return {"parallel.pp": 2}
     if dotted in ("parallel.cp_algorithm", "parallel.cp_balance"):
         return {"parallel.cp": 2}
+    if dotted.startswith("ps."):
+        return {"ps.servers": 1}
     return {}
 
 
@@ -140,12 +142,16 @@ def test_choice_tuples_equal_their_consumers():
     assert CHOICES["parallel.pp_partition"] == METHODS
     assert CHOICES["data.format"] == FORMATS
     assert CHOICES["comm.compression"] == COMPRESSIONS
+    from shardwise.ps.consistency import MODES
+    from shardwise.ps.scheduling import POLICIES
+
+    assert CHOICES["ps.consistency"] == MODES and CHOICES["ps.scheduling"] == POLICIES
     assert set(CHOICES["comm.algorithm"]) == {"auto", *ALL_REDUCE_ALGORITHMS}
 
 
 FREE_TEXT = {"data.source", "data.text_field", "data.cache_dir", "parallel.offload_dir", "run.dir", "run.fault",
-             "parallel.rdzv_endpoint"}
-"""Text fields that are not a choice among names (paths, a column name)."""
+             "parallel.rdzv_endpoint", "ps.straggler"}
+"""Text fields that are not a choice among names (paths, a column name, "RANK:MS")."""
 
 
 def test_every_text_field_is_a_choice_or_free_text():
@@ -303,6 +309,20 @@ PROOFS: dict[str, tuple] = {
                        Refused({"comm.timeout_s": 30}, "comm.algorithm='native' runs the backend's"),
                        Refused({"parallel.zero": 3, "comm.algorithm": "native", "comm.timeout_s": 30},
                                "ZeRO (parallel.zero=3) runs the backend's")),
+    "ps.servers": (reads("train/loop.py"), Derives({"ps.servers": 1}, ("parallel.dp",)),
+                   Refused({"ps.servers": 2}, "leaves no worker among the 2 ranks"),
+                   Refused({"ps.servers": 1, "parallel.zero": 1}, "use parallel.zero=0 or ps.servers=0")),
+    "ps.consistency": (reads("ps/runner.py"), Refused({"ps.consistency": "asp"}, "ps.servers=0")),
+    "ps.staleness": (reads("ps/runner.py"),
+                     Refused({"ps.servers": 1, "ps.staleness": 2}, "but ps.consistency='bsp'"),
+                     Refused({"ps.servers": 1, "ps.consistency": "ssp", "ps.staleness": -1}, "non-negative")),
+    "ps.partition_kb": (reads("ps/runner.py"), Refused({"ps.partition_kb": 64}, "ps.servers=0")),
+    "ps.scheduling": (reads("ps/runner.py"), Refused({"ps.scheduling": "priority"}, "ps.servers=0")),
+    "ps.credit_kb": (reads("ps/runner.py"),
+                     Refused({"ps.servers": 1, "ps.credit_kb": 64}, "but ps.scheduling='fifo'")),
+    "ps.straggler": (reads("ps/runner.py"), Refused({"ps.straggler": "1:100"}, "ps.servers=0"),
+                     Refused({"ps.servers": 1, "ps.straggler": "1:100"}, "which is not a worker"),
+                     Refused({"ps.servers": 1, "ps.straggler": "slow"}, "use 'RANK:MS'")),
     "ckpt.every": (reads("train/loop.py"),),
     "ckpt.keep": (reads("train/loop.py"),),
     "ckpt.resume": (reads("train/loop.py"),),

@@ -54,6 +54,10 @@ CP_ALGORITHMS = ("ring", "allgather", "ulysses")
 """parallel.cp_algorithm (the same as shardwise.parallel.context.ALGORITHMS, which needs torch)."""
 CP_BALANCES = ("headtail", "none")
 """parallel.cp_balance (shardwise.parallel.context.layout.BALANCES)."""
+PS_CONSISTENCIES = ("bsp", "asp", "ssp")
+"""ps.consistency (the same as shardwise.ps.consistency.MODES)."""
+PS_SCHEDULINGS = ("fifo", "priority")
+"""ps.scheduling (the same as shardwise.ps.scheduling.POLICIES)."""
 
 CHOICES: dict[str, tuple] = {
     "model.preset": PRESET_NAMES, "model.flavor": FLAVORS,
@@ -64,6 +68,7 @@ CHOICES: dict[str, tuple] = {
     "parallel.pp_partition": PP_PARTITIONS, "parallel.backend": BACKENDS, "run.device": DEVICES,
     "comm.algorithm": COMM_ALGORITHMS, "comm.compression": COMM_COMPRESSIONS,
     "parallel.cp_algorithm": CP_ALGORITHMS, "parallel.cp_balance": CP_BALANCES,
+    "ps.consistency": PS_CONSISTENCIES, "ps.scheduling": PS_SCHEDULINGS,
 }
 """Every choice-valued field and the values it accepts (data.tokenizer and parallel.pp_partition also
 take a path / stage boundaries)."""
@@ -268,6 +273,29 @@ class CommConfig:
 
 
 @dataclass
+class PsConfig:
+    servers: int = 0
+    """Parameter-server ranks S (shardwise.ps): the last S ranks serve key ranges of the model and apply
+    AdamW, the other ranks are workers over which the data is sharded; 0 = off (all-reduce data parallel)."""
+    consistency: str = "bsp"
+    """With servers >= 1: "bsp" (a pull of clock c waits for every worker's clock c - 1: synchronous data
+    parallelism), "ssp" (bounded staleness, Ho et al. 2013) or "asp" (every push applied on arrival)."""
+    staleness: int = 0
+    """With consistency = "ssp": the bound s; a worker at clock c waits until every update of clocks
+    <= c - s - 1 is applied (s = 0 is bsp)."""
+    partition_kb: int = 4000
+    """With servers >= 1: largest partition in KiB (1024 bytes of fp32) each tensor is cut into
+    (BytePS's default 4,096,000 bytes); partitions go to servers by key range."""
+    scheduling: str = "fifo"
+    """With servers >= 1: order of pushes started from gradient hooks during backward: "fifo" (as ready)
+    or "priority" (layers nearest the input first, under ps.credit_kb; ByteScheduler / P3)."""
+    credit_kb: int = 4000
+    """With scheduling = "priority": KiB of pushes in flight at once (the credit of ByteScheduler)."""
+    straggler: str = ""
+    """With servers >= 1: "RANK:MS" delays worker RANK by MS milliseconds per step (experiments); "" = none."""
+
+
+@dataclass
 class CkptConfig:
     every: int = 100
     """Save a checkpoint every N steps (0 = only at the end)."""
@@ -303,6 +331,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    ps: PsConfig = field(default_factory=PsConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     run: RunConfig = field(default_factory=RunConfig)
 

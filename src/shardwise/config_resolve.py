@@ -33,7 +33,7 @@ def resolve_config(cfg: Config, world_size: int | None = None, tokenizer_vocab: 
     resolve_model(cfg.model, tokenizer_vocab)
     _resolve_data(cfg)
     _resolve_device(cfg.run, cfg.parallel)
-    _resolve_parallel(cfg.parallel, world_size)
+    _resolve_parallel(cfg.parallel, _ps_world(cfg, world_size))
     _default_microbatches(cfg.parallel, cfg.train)
     _resolve_batch(cfg.train, cfg.parallel.dp)
     _resolve_pipeline(cfg)
@@ -42,6 +42,7 @@ def resolve_config(cfg: Config, world_size: int | None = None, tokenizer_vocab: 
     _validate_train(cfg.train)
     _check_zero_param_dtype(cfg)
     _validate_misc(cfg)
+    _resolve_ps(cfg)
     _refuse_unused(cfg)
 
 
@@ -210,6 +211,63 @@ def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
     _positive("parallel.bucket_mb", p.bucket_mb)
     _positive("parallel.timeout_s", p.timeout_s)
     _positive("parallel.rdzv_timeout_s", p.rdzv_timeout_s)
+
+
+def _ps_world(cfg: Config, world_size: int | None) -> int | None:
+    """The ranks data parallelism is resolved over: with ``ps.servers`` S, the world minus its last S ranks
+    (the servers, :mod:`shardwise.ps`); the data is sharded over the workers."""
+    s, p = cfg.ps.servers, cfg.parallel
+    _positive("ps.servers", s, allow_zero=True)
+    if not s:
+        return world_size
+    if p.nproc is None:
+        p.nproc = default_nproc()
+    world = world_size if world_size is not None else p.nproc * p.nnodes
+    if s >= world:
+        raise ConfigError(f"ps.servers={s} leaves no worker among the {world} ranks; use at most {world - 1} "
+                          f"or raise parallel.nproc")
+    for dotted, value, off in [("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1), ("parallel.zero", p.zero, 0)]:
+        if value != off:  # checked first: the other layout checks would count the servers' ranks
+            raise ConfigError(f"ps.servers={s} with {dotted}={value}: the parameter server's workers hold "
+                              f"whole replicas; use {dotted}={off} or ps.servers=0")
+    return world - s
+
+
+def _resolve_ps(cfg: Config) -> None:
+    """The parameter server's own checks, and what it does not compose with (one line each)."""
+    ps, p, t = cfg.ps, cfg.parallel, cfg.train
+    _choice("ps.consistency", ps.consistency)
+    _choice("ps.scheduling", ps.scheduling)
+    _positive("ps.staleness", ps.staleness, allow_zero=True)
+    _positive("ps.partition_kb", ps.partition_kb)
+    _positive("ps.credit_kb", ps.credit_kb)
+    if ps.straggler:
+        rank, sep, ms = ps.straggler.partition(":")
+        workers = p.dp if ps.servers else None
+        if not sep or not rank.strip().isdigit() or not _is_number(ms) or float(ms) < 0:
+            raise ConfigError(f"ps.straggler={ps.straggler!r} is not valid; use 'RANK:MS', e.g. '1:200'")
+        if workers is not None and int(rank) >= workers:
+            raise ConfigError(f"ps.straggler={ps.straggler!r} names rank {int(rank)}, which is not a worker; "
+                              f"workers are ranks 0..{workers - 1} (the servers are the last {ps.servers})")
+    if not ps.servers:
+        return
+    if p.backend == "nccl":
+        raise ConfigError(f"ps.servers={ps.servers} with parallel.backend='nccl': the parameter server runs on "
+                          "gloo point-to-point (CPU tensors); use parallel.backend='gloo' or run.device='cpu'")
+    if t.precision == "fp16":
+        raise ConfigError(f"ps.servers={ps.servers} with train.precision='fp16': the loss scaler's skipped steps "
+                          "would need every worker to agree; use train.precision='bf16' or 'fp32'")
+    if t.recompute != "none":
+        raise ConfigError(f"ps.servers={ps.servers} with train.recompute={t.recompute!r}: the parameter-server "
+                          "workers run the plain model; use train.recompute='none'")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _resolve_tensor_parallel(cfg: Config) -> None:
@@ -432,7 +490,7 @@ def _refuse_unused(cfg: Config) -> None:
     """Refuse a field set (away from its default) that the resolved layout never reads, naming what would
     read it: a setting that silently does nothing misleads. Rules run in order; the first that fails is
     reported, so a cause (comm.compression under ZeRO) is named before its consequences (comm.topk_ratio)."""
-    m, d, t, p, c = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.comm
+    m, d, t, p, c, ps = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.comm, cfg.ps
     zero = f"ZeRO (parallel.zero={p.zero})"
     own = "shardwise's own collective algorithms"
     rules = [  # (dotted field, read in this layout?, why not and what to do instead)
@@ -485,6 +543,21 @@ def _refuse_unused(cfg: Config) -> None:
          f"{c.compression!r}; set comm.compression='topk' or remove it"),
         ("comm.node_size", c.algorithm in ("hierarchical", "torus", "auto"), f"shapes the 'hierarchical' and "
          f"'torus' all-reduce (and what 'auto' picks), but comm.algorithm={c.algorithm!r}; remove it"),
+    ]
+    on = "ps.servers=0 (no parameter server); set ps.servers >= 1 or remove it"
+    rules += [
+        ("ps.consistency", ps.servers, f"chooses the parameter server's consistency, but {on}"),
+        ("ps.staleness", ps.consistency == "ssp", f"bounds ps.consistency='ssp', but ps.consistency="
+         f"{ps.consistency!r}; set ps.consistency='ssp' or remove it"),
+        ("ps.partition_kb", ps.servers, f"sizes the parameter server's partitions, but {on}"),
+        ("ps.scheduling", ps.servers, f"orders the parameter server's pushes, but {on}"),
+        ("ps.credit_kb", ps.scheduling == "priority", f"is the credit of ps.scheduling='priority', but "
+         f"ps.scheduling={ps.scheduling!r}; set ps.scheduling='priority' or remove it"),
+        ("ps.straggler", ps.servers, f"delays a parameter-server worker, but {on}"),
+        ("parallel.bucket_mb", not ps.servers, f"sizes all-reduce buckets, but ps.servers={ps.servers} pushes "
+         "partitions; set ps.partition_kb instead"),
+        ("comm.algorithm", not ps.servers, f"is an all-reduce algorithm, but ps.servers={ps.servers} pushes to "
+         "servers point to point; use comm.algorithm='native'"),
     ]
     for dotted, read, why in rules:
         value = _field(cfg, dotted)

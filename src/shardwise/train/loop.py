@@ -53,6 +53,9 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     weights; ``stop_after`` ends the run after that optimizer step as an interruption would
     (the schedule still spans ``train.steps``), for resume tests.
     """
+    if cfg.ps.servers:  # parameter-server mode (shardwise.ps): workers and servers instead of an engine
+        from shardwise.ps.runner import run_ps
+        return run_ps(cfg, run_dir, collect_state, stop_after)
     rank, world, _local_rank, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.run.device)
     dims = ParallelDims.from_config(cfg.parallel, world)
     mesh = dims.build(device.type)
