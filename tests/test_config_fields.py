@@ -139,7 +139,7 @@ def test_choice_tuples_equal_their_consumers():
     assert set(CHOICES["comm.algorithm"]) == {"auto", *ALL_REDUCE_ALGORITHMS}
 
 
-FREE_TEXT = {"data.source", "data.text_field", "data.cache_dir", "parallel.offload_dir", "run.dir"}
+FREE_TEXT = {"data.source", "data.text_field", "data.cache_dir", "parallel.offload_dir", "run.dir", "model.init_from"}
 """Text fields that are not a choice among names (paths, a column name)."""
 
 
@@ -205,6 +205,8 @@ PROOFS: dict[str, tuple] = {
     "model.dropout": (reads("model/transformer.py"),),
     "model.tie_embeddings": (reads("model/transformer.py"),),
     "model.init_std": (reads("model/transformer.py"),),
+    "model.init_from": (reads("train/loop.py", "hf/init.py"),
+                        Refused({"model.init_from": "gpt2"}, "use 'hf:PATH'")),
     "data.source": (reads("data/cache.py"),),
     "data.format": (reads("data/cache.py"), Refused({"data.format": "jsonl"}, "data.source='stdlib'")),
     "data.text_field": (reads("data/cache.py"), Refused({"data.text_field": "body"}, "read as plain text")),

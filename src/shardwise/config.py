@@ -92,6 +92,10 @@ class ModelConfig:
     """Share token embedding and output head; default True for gpt2, False for llama."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation (GPT-2 scheme)."""
+    init_from: str = ""
+    """Start from pretrained weights instead of the seeded initialisation: "hf:PATH", a transformers
+    directory (GPT2LMHeadModel or LlamaForCausalLM: config.json + safetensors) whose config.json gives the
+    model's shape; "" = initialise from train.seed."""
 
 
 @dataclass

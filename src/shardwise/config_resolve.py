@@ -63,6 +63,8 @@ def _divisors(n: int) -> str:
 
 
 def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
+    if m.init_from:
+        _apply_init_from(m)
     shape = (m.n_layers, m.d_model, m.n_heads)
     if m.preset == "cpu-demo" and m.max_seq_len is None and None not in shape and \
             shape != tuple(PRESETS["cpu-demo"][k] for k in ("n_layers", "d_model", "n_heads")):
@@ -113,6 +115,31 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
+
+
+def _apply_init_from(m: ModelConfig) -> None:
+    """Fill the model's shape from the config.json of ``model.init_from = "hf:PATH"`` (shardwise.hf); a field
+    given explicitly must agree with it."""
+    from shardwise.hf.config_map import HFError, hf_path, model_fields, read_hf_config
+
+    try:
+        path = hf_path(m.init_from)
+        fields = model_fields(read_hf_config(path), f"{path}/config.json")
+    except HFError as e:
+        raise ConfigError(f"model.init_from={m.init_from!r}: {e}") from None
+    if m.preset not in ("cpu-demo", "custom"):
+        raise ConfigError(f"model.preset={m.preset!r} with model.init_from={m.init_from!r}: the directory's "
+                          "config.json gives the model's shape; remove model.preset")
+    m.preset = "custom"
+    for key, value in fields.items():
+        given, default = getattr(m, key), getattr(DEFAULT_MODEL, key)
+        if given is not None and given != default and given != value:
+            raise ConfigError(f"model.{key}={given!r} but model.init_from={m.init_from!r} has {value!r}; "
+                              f"remove model.{key}")
+        setattr(m, key, value)
+
+
+DEFAULT_MODEL = ModelConfig()
 
 
 def _resolve_data(cfg: Config) -> None:

@@ -77,6 +77,10 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     log = MetricsLogger(run_dir, enabled=rank == 0, total_steps=tcfg.steps,
                         tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
     ckpt_root = run_dir / "checkpoints"
+    if cfg.model.init_from:  # pretrained weights, loaded layout-free; a checkpoint resumed below replaces them
+        from shardwise.hf.init import init_from_pretrained
+
+        log.log_event(init_from_pretrained(engine, cfg))
     if cfg.ckpt.resume:
         found = latest_valid_checkpoint(ckpt_root, warn=log.log_event if rank == 0 else (lambda _m: None))
         if found is not None:
