@@ -46,3 +46,21 @@ def test_run_from_transformers_directory_starts_at_its_loss(layout, tmp_path, ca
     cfg = make_config(tmp_path / "ref", cache_dir, 2, **overrides)
     expected = first_batch_loss(cfg, transformers.AutoModelForCausalLM.from_pretrained(src))
     assert losses[0] == pytest.approx(expected, abs=1e-5)
+
+
+def test_export_command_writes_the_trained_run(tmp_path, cache_dir, capsys):
+    """`shardwise export RUN_DIR --format hf OUT_DIR` after a real run: transformers gives our logits; a second
+    export into the now non-empty directory fails with one line."""
+    from shardwise.cli import main
+    from shardwise.generate_run import load_trained_model
+
+    run(tmp_path, cache_dir, "trained", 1, **{"train.steps": 2})
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "trained"), "--format", "hf", str(out)]) == 0
+    ours, _ = load_trained_model(tmp_path / "trained")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(tokens), theirs(tokens).logits, atol=1e-5, rtol=0)
+    assert main(["export", str(tmp_path / "trained"), "--format", "hf", str(out)]) == 2
+    assert "exists and is not an empty directory" in capsys.readouterr().err
