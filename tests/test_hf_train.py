@@ -64,3 +64,13 @@ def test_export_command_writes_the_trained_run(tmp_path, cache_dir, capsys):
         torch.testing.assert_close(ours.eval()(tokens), theirs(tokens).logits, atol=1e-5, rtol=0)
     assert main(["export", str(tmp_path / "trained"), "--format", "hf", str(out)]) == 2
     assert "exists and is not an empty directory" in capsys.readouterr().err
+
+    # and `shardwise generate` with a batch of prompts: the same text with and without the key/value cache
+    argv = ["generate", str(tmp_path / "trained"), "--prompt", "import ", "--prompt", "x", "--max-new-tokens", "6"]
+    texts = []
+    for extra in ([], ["--no-cache"]):
+        assert main(argv + extra) == 0
+        captured = capsys.readouterr()
+        texts.append(captured.out)
+        assert "12 tokens in" in captured.err and "tokens/s" in captured.err
+    assert texts[0] == texts[1] and texts[0].startswith("import ")

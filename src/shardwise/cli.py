@@ -51,12 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="sample text from a trained run")
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--prompt", action="append", help="text to continue (repeat for a batch; default 'def ')")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", type=Path, help="a checkpoint directory (default: the newest valid one)")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole context every step (no key/value "
+                                                           "cache; the same tokens, slower)")
 
     p = sub.add_parser("export", help="write a run's model and tokenizer for another library (--format hf: "
                                       "a transformers directory)")
@@ -146,9 +148,15 @@ def cmd_train(args, overrides: dict[str, str]) -> int:
 def cmd_generate(args, _overrides) -> int:
     from shardwise.generate_run import generate_from_run
 
-    text = generate_from_run(args.run_dir, args.prompt, args.max_new_tokens, args.temperature,
-                             args.top_k, args.seed, args.checkpoint)
-    print(args.prompt + text)
+    prompts = args.prompt or ["def "]
+    timing: dict = {}
+    texts = generate_from_run(args.run_dir, prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                              args.checkpoint, use_cache=not args.no_cache, timing=timing)
+    for prompt, text in zip(prompts, texts, strict=True):
+        print(prompt + text)
+    how = "no cache" if args.no_cache else "key/value cache"
+    print(f"{timing['tokens']} tokens in {timing['seconds']:.2f} s: {timing['tokens_per_s']:.1f} tokens/s "
+          f"({len(prompts)} prompt(s), {how})", file=sys.stderr)
     return 0
 
 

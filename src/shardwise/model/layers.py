@@ -87,17 +87,22 @@ class RotaryEmbedding(nn.Module):
             self.reset_parameters()
         return self
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape ``[B, H, T, head_dim]`` by the angles of positions ``0..T-1``."""
-        t = x.shape[-2]
-        cos, sin = self.cos[:t].float(), self.sin[:t].float()
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x`` of shape ``[B, H, T, head_dim]`` by the angles of positions ``0..T-1``, or of
+        ``positions [B, T]`` (incremental decoding, left-padded batches)."""
+        if positions is None:
+            t = x.shape[-2]
+            cos, sin = self.cos[:t].float(), self.sin[:t].float()
+        else:
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, T, hd/2]
         x32 = x.float()
         x1, x2 = x32.chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.type_as(x)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotate(q), self.rotate(k)
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotate(q, positions), self.rotate(k, positions)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}"
@@ -136,14 +141,21 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
         self.rope = rope
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        """``x [B, T, d_model]``; with ``cache`` (a :class:`~shardwise.model.kv_cache.LayerCache`, for
+        incremental decoding) the new keys and values are appended to the cached ones and the queries
+        attend under the cache's mask at the cache's positions."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, H_kv, T, hd]
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.rope is not None:
-            q, k = self.rope(q, k)
-        y = self.core(q, k, v)
+            q, k = self.rope(q, k, None if cache is None else cache.positions)
+        if cache is None:
+            y = self.core(q, k, v)
+        else:
+            k, v = cache.append(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=k.shape[1] != q.shape[1])
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -62,8 +62,9 @@ class Block(nn.Module):
         self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, bias=True) if gpt2 else SwiGLU(cfg.d_model, cfg.d_ff, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        attn = self.attn(self.norm1(x)) if cache is None else self.attn(self.norm1(x), cache[self.layer_id])
+        x = x + self.drop(attn)
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -111,14 +112,15 @@ class Transformer(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token (+ learned position, gpt2) embeddings of ``tokens [B, T]`` -> ``[B, T, d_model]``."""
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token (+ learned position, gpt2) embeddings of ``tokens [B, T]`` -> ``[B, T, d_model]``, at
+        positions ``0..T-1`` or ``positions [B, T]``."""
         t = tokens.shape[1]
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x = self.tok_emb(tokens)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(t, device=tokens.device))
+            x = x + self.pos_emb(torch.arange(t, device=tokens.device) if positions is None else positions)
         return self.drop(x)
 
     def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,10 +130,14 @@ class Transformer(nn.Module):
             return logits
         return self.loss_fn(logits, targets)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(tokens)
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Logits (or the loss with ``targets``). With ``cache`` (a :class:`~shardwise.model.kv_cache.KVCache`)
+        ``tokens`` are the next tokens after those the cache holds, at the cache's positions."""
+        x = self.embed(tokens, None if cache is None else cache.positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if cache is None else block(x, cache)
+        if cache is not None:
+            cache.advance()
         return self.head(x, targets)
 
     # ---- parameters -------------------------------------------------------------------------
