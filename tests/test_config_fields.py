@@ -62,6 +62,10 @@ def _context(dotted: str, value, tmp_path: Path) -> dict:
     if dotted == "model.preset" and value == "custom":
         return {"model.flavor": "gpt2", "model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4,
                 "model.max_seq_len": 64}
+    if (dotted, value) == ("model.flavor", "bert"):
+        return {"train.objective": "mlm"}
+    if (dotted, value) == ("train.objective", "mlm"):
+        return {"model.flavor": "bert"}
     if dotted == "data.format":
         return {"data.source": str(tmp_path)}
     if dotted == "parallel.offload":
@@ -242,6 +246,7 @@ PROOFS: dict[str, tuple] = {
     "train.eval_every": (reads("train/loop.py"),),
     "train.eval_batches": (reads("train/loop.py"),),
     "train.peak_flops": (reads("train/loop.py"),),
+    "train.objective": (reads("data/mlm.py"), Refused({"train.objective": "mlm"}, "model.flavor='gpt2' is causal")),
     "parallel.nproc": (reads("launch.py"), Derives({"parallel.nproc": 1}, ("parallel.dp",))),
     "parallel.nnodes": (reads("launch.py"), Derives({"parallel.nnodes": 2}, ("parallel.dp",))),
     "parallel.dp": (reads("dist/mesh.py"),),

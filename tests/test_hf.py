@@ -27,6 +27,8 @@ SHAPES = {
     "llama": {"model.flavor": "llama", "model.n_layers": 2, "model.d_model": 32, "model.n_heads": 4,
               "model.n_kv_heads": 2, "model.d_ff": 96, "model.max_seq_len": 16, "model.vocab_size": 300,
               "model.rope_theta": 5e5},
+    "bert": {"model.flavor": "bert", "model.n_layers": 2, "model.d_model": 32, "model.n_heads": 4,
+             "model.max_seq_len": 16, "model.vocab_size": 300, "train.objective": "mlm"},
 }
 
 
@@ -46,16 +48,27 @@ def random_model(flavor: str, seed: int = 0) -> Transformer:
     return model.eval()
 
 
-@pytest.mark.parametrize("flavor", ["gpt2", "llama"])
+ARCH = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM"}
+
+
+@pytest.mark.parametrize("flavor", ["gpt2", "llama", "bert"])
 def test_exported_directory_is_the_same_model_in_transformers(flavor, tmp_path):
     model = random_model(flavor)
     out = export_model(model.state_dict(), model.cfg, ByteTokenizer(), tmp_path / "out")
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(theirs).__name__ == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[flavor]
+    auto = transformers.AutoModelForMaskedLM if flavor == "bert" else transformers.AutoModelForCausalLM
+    theirs = auto.from_pretrained(out).eval()
+    assert type(theirs).__name__ == ARCH[flavor]
     tokens = torch.randint(0, 300, (3, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours, ref = model(tokens), theirs(tokens).logits
-    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+        if flavor == "bert":  # padding masks and token types
+            mask = torch.ones(3, 16, dtype=torch.bool)
+            mask[1, 10:] = mask[2, 4:] = False
+            types = (torch.arange(16) >= 8).long().expand(3, 16)
+            ours = model(tokens, padding_mask=mask, token_types=types)
+            ref = theirs(tokens, attention_mask=mask.long(), token_type_ids=types).logits
+            torch.testing.assert_close(ours[mask], ref[mask], atol=1e-5, rtol=0)
 
     tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "héllo wörld ✓\n\tdef f(x):"
@@ -69,6 +82,10 @@ def _transformers_directory(flavor: str, path: Path) -> Path:
     if flavor == "gpt2":
         config = transformers.GPT2Config(vocab_size=300, n_positions=16, n_embd=32, n_layer=2, n_head=4)
         model = transformers.GPT2LMHeadModel(config)
+    elif flavor == "bert":
+        config = transformers.BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=128, max_position_embeddings=16)
+        model = transformers.BertForMaskedLM(config)
     else:
         config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
@@ -81,22 +98,23 @@ def _transformers_directory(flavor: str, path: Path) -> Path:
     return path
 
 
-def _imported_config(path: Path):
-    return Config.load(overrides={"model.init_from": f"hf:{path}", "parallel.nproc": "1"}).resolve(
+def _imported_config(path: Path, **extra):
+    return Config.load(overrides={"model.init_from": f"hf:{path}", "parallel.nproc": "1", **extra}).resolve(
         tokenizer_vocab=257).model
 
 
-@pytest.mark.parametrize("flavor", ["gpt2", "llama"])
+@pytest.mark.parametrize("flavor", ["gpt2", "llama", "bert"])
 def test_import_then_export_is_bit_exact(flavor, tmp_path):
     src = _transformers_directory(flavor, tmp_path / "src")
-    m = _imported_config(src)
-    assert m.flavor == flavor and (m.n_kv_heads, m.tie_embeddings) == ((4, True) if flavor == "gpt2" else (2, False))
+    m = _imported_config(src, **({"train.objective": "mlm"} if flavor == "bert" else {}))
+    assert m.flavor == flavor and (m.n_kv_heads, m.tie_embeddings) == ((2, False) if flavor == "llama" else (4, True))
     state = load_hf_state(src, m)
     ours = Transformer(m)
     ours.load_state_dict(state)
     out = export_model(ours.state_dict(), m, ByteTokenizer(), tmp_path / "out")
     before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
-    before = {k: v for k, v in before.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    before = {k: v for k, v in before.items()
+              if not k.endswith((".attn.bias", ".attn.masked_bias", "position_ids", "decoder.bias"))}
     assert before.keys() == after.keys()
     for key in before:
         assert torch.equal(before[key], after[key]), key

@@ -29,7 +29,9 @@ class ConfigError(ValueError):
 
 # ---- the values of choice-valued fields (config_resolve validates with CHOICES; tests walk it) -------
 
-FLAVORS = ("gpt2", "llama")
+FLAVORS = ("gpt2", "llama", "bert")
+OBJECTIVES = ("causal", "mlm")
+"""train.objective ("classify" is named in the design and refused until it exists)."""
 DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "hf")
 """data.format (the same as shardwise.data.sources.FORMATS)."""
 TOKENIZERS = ("byte", "bpe")
@@ -53,7 +55,7 @@ COMM_COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk")
 CHOICES: dict[str, tuple] = {
     "model.preset": PRESET_NAMES, "model.flavor": FLAVORS,
     "data.format": DATA_FORMATS, "data.tokenizer": TOKENIZERS,
-    "train.precision": PRECISIONS, "train.recompute": RECOMPUTE_MODES,
+    "train.precision": PRECISIONS, "train.objective": OBJECTIVES, "train.recompute": RECOMPUTE_MODES,
     "parallel.zero": ZERO_STAGES, "parallel.offload": OFFLOADS, "parallel.pp_schedule": PP_SCHEDULES,
     "parallel.pp_partition": PP_PARTITIONS, "parallel.backend": BACKENDS, "run.device": DEVICES,
     "comm.algorithm": COMM_ALGORITHMS, "comm.compression": COMM_COMPRESSIONS,
@@ -67,7 +69,8 @@ class ModelConfig:
     preset: str = "cpu-demo"
     """Named size (see shardwise.model.presets) or "custom"; explicit fields override it."""
     flavor: str | None = None
-    """"gpt2" (LayerNorm, GELU, learned positions, tied embeddings) or "llama" (RMSNorm, SwiGLU, RoPE, GQA)."""
+    """"gpt2" (LayerNorm, GELU, learned positions, tied embeddings), "llama" (RMSNorm, SwiGLU, RoPE, GQA) or
+    "bert" (bidirectional encoder: post-norm, exact GELU, learned positions and token types, masked-LM head)."""
     n_layers: int | None = None
     """Number of transformer blocks."""
     d_model: int | None = None
@@ -165,6 +168,10 @@ class TrainConfig:
     """Validation loss every N steps (and at the end; 0 = only at the end)."""
     eval_batches: int = 8
     """Micro-batches per validation."""
+    objective: str = "causal"
+    """"causal" (next-token prediction: gpt2, llama) or "mlm" (masked language modelling, Devlin et al. 2019
+    §3.1: 15 % of the tokens of each window chosen, 80 % replaced by [MASK] = the last vocabulary id, 10 % by a
+    random token, 10 % kept; bert only)."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU; 0 = look up the GPU, or measure a matmul on CPU."""
 

@@ -38,6 +38,7 @@ def resolve_config(cfg: Config, world_size: int | None = None, tokenizer_vocab: 
     _resolve_batch(cfg.train, cfg.parallel.dp)
     _resolve_pipeline(cfg)
     _resolve_tensor_parallel(cfg)
+    _resolve_objective(cfg)
     _validate_train(cfg.train)
     _validate_misc(cfg)
     _refuse_unused(cfg)
@@ -92,16 +93,22 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
             f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}; "
             f"use one of {_divisors(m.n_heads)}"
         )
-    if m.flavor == "gpt2" and m.n_kv_heads != m.n_heads:
-        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: the gpt2 flavor has no grouped-query attention; "
+    if m.flavor in ("gpt2", "bert") and m.n_kv_heads != m.n_heads:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: the {m.flavor} flavor has no grouped-query attention; "
                           f"use {m.n_heads} or model.flavor='llama'")
     if m.flavor == "llama" and (m.d_model // m.n_heads) % 2:
         raise ConfigError(f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even for rotary embeddings")
     if m.d_ff is None:
-        m.d_ff = 4 * m.d_model if m.flavor == "gpt2" else 64 * math.ceil(8 * m.d_model / 3 / 64)
+        m.d_ff = 4 * m.d_model if m.flavor in ("gpt2", "bert") else 64 * math.ceil(8 * m.d_model / 3 / 64)
     _positive("model.d_ff", m.d_ff)
     if m.tie_embeddings is None:
-        m.tie_embeddings = m.flavor == "gpt2"
+        m.tie_embeddings = m.flavor in ("gpt2", "bert")
+    if m.flavor == "bert" and tokenizer_vocab is not None:  # one id more than the tokenizer's: [MASK]
+        if m.vocab_size is None:
+            m.vocab_size = tokenizer_vocab + 1
+        elif m.vocab_size <= tokenizer_vocab:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} leaves no id for bert's [MASK] after the tokenizer's "
+                              f"{tokenizer_vocab}; use at least {tokenizer_vocab + 1} or leave it unset")
     if m.vocab_size is None:
         m.vocab_size = tokenizer_vocab
     elif tokenizer_vocab is not None and m.vocab_size < tokenizer_vocab:
@@ -360,6 +367,26 @@ def pipeline_partition(text: str) -> tuple[str, list[int] | None]:
         raise ConfigError(f"parallel.pp_partition={text!r} is not valid; use 'even', 'params', 'flops' "
                           "or the first block of each stage after the first, e.g. '2,5'")
     return text, None
+
+
+def _resolve_objective(cfg: Config) -> None:
+    """The training objective must suit the flavour; the bert flavour runs under data parallelism and ZeRO."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if t.objective == "classify":
+        raise ConfigError("train.objective='classify' is not implemented yet (a labelled data source and a [CLS] "
+                          "head); use 'mlm' with model.flavor='bert', or 'causal'")
+    _choice("train.objective", t.objective)
+    if t.objective == "mlm" and m.flavor != "bert":
+        raise ConfigError(f"train.objective='mlm' masks tokens for the bidirectional bert flavour, but model.flavor="
+                          f"{m.flavor!r} is causal; set model.flavor='bert' or train.objective='causal'")
+    if m.flavor == "bert":
+        if t.objective != "mlm":
+            raise ConfigError(f"model.flavor='bert' is a bidirectional encoder: train.objective={t.objective!r} would "
+                              "let every token see its target; set train.objective='mlm'")
+        for axis in ("pp", "tp"):
+            if getattr(p, axis) > 1:
+                raise ConfigError(f"parallel.{axis}={getattr(p, axis)} with model.flavor='bert' is not implemented "
+                                  "yet (the encoder runs under data parallelism and ZeRO 1-3); use 1")
 
 
 def _validate_train(t: TrainConfig) -> None:

@@ -8,6 +8,8 @@ before any worker starts.
 * ``llama`` <-> ``LlamaForCausalLM`` (model_type "llama"): RMSNorm, SwiGLU, rotary positions in the
   rotate-half layout (the layout of the ``transformers`` Llama checkpoints), grouped-query attention,
   no biases.
+* ``bert`` <-> ``BertForMaskedLM`` (model_type "bert"): post-norm encoder, exact GELU (``hidden_act = "gelu"``),
+  absolute positions, two token types, the masked-LM head tied to the word embeddings.
 
 Anything else (another ``model_type``, rope scaling, biases in Llama, another activation) is refused with
 one line naming the key, its value and what we accept -- a silently different model would be worse.
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 HF_PREFIX = "hf:"
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM"}
 """Our flavour -> the ``transformers`` class an exported directory is loaded with."""
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 """The tanh approximation of GELU under its two ``transformers`` names (our GeluMLP)."""
@@ -54,9 +56,11 @@ def model_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str, An
         return _gpt2_fields(hf, where)
     if kind == "llama":
         return _llama_fields(hf, where)
+    if kind == "bert":
+        return _bert_fields(hf, where)
     archs = hf.get("architectures")
     raise HFError(f"{where}: model_type={kind!r} (architectures {archs}) is not supported; "
-                  f"use a {' / '.join(ARCHITECTURES.values())} directory (model_type 'gpt2' or 'llama')")
+                  f"use a {' / '.join(ARCHITECTURES.values())} directory (model_type 'gpt2', 'llama' or 'bert')")
 
 
 def _require(hf: dict, key: str, ok: bool, valid: str, where: str) -> None:
@@ -103,6 +107,18 @@ def _llama_fields(hf: dict, where: str) -> dict[str, Any]:
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
 
+def _bert_fields(hf: dict, where: str) -> dict[str, Any]:
+    _require(hf, "hidden_act", hf.get("hidden_act", "gelu") == "gelu", "use 'gelu' (the exact GELU)", where)
+    _require(hf, "type_vocab_size", hf.get("type_vocab_size", 2) == 2, "use 2", where)
+    _require(hf, "position_embedding_type", hf.get("position_embedding_type", "absolute") == "absolute",
+             "use 'absolute'", where)
+    return dict(flavor="bert", n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
+                n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_attention_heads"], d_ff=hf["intermediate_size"],
+                vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
+                norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
+                tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+
+
 def hf_config(m, eos_id: int | None = None, bos_id: int | None = None) -> dict[str, Any]:
     """The ``config.json`` of a model with our resolved fields ``m`` (a ModelConfig)."""
     common = {"architectures": [ARCHITECTURES[m.flavor]], "model_type": m.flavor, "vocab_size": m.vocab_size,
@@ -120,4 +136,10 @@ def hf_config(m, eos_id: int | None = None, bos_id: int | None = None) -> dict[s
                 "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
                 "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}, "hidden_act": "silu",
                 "attention_bias": False, "mlp_bias": False, "attention_dropout": m.dropout, "use_cache": True}
+    if m.flavor == "bert":
+        return {**common, "num_hidden_layers": m.n_layers, "hidden_size": m.d_model,
+                "num_attention_heads": m.n_heads, "intermediate_size": m.d_ff, "hidden_act": "gelu",
+                "max_position_embeddings": m.max_seq_len, "type_vocab_size": 2, "layer_norm_eps": m.norm_eps,
+                "hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": m.dropout,
+                "position_embedding_type": "absolute", "pad_token_id": None, "is_decoder": False}
     raise HFError(f"model.flavor={m.flavor!r} has no transformers export; use one of {tuple(ARCHITECTURES)}")

@@ -34,26 +34,27 @@ _GPT2_LINEAR = {"attn.o_proj": "attn.c_proj", "mlp.fc_in": "mlp.c_fc", "mlp.fc_o
 def to_hf(state: State, m) -> dict[str, torch.Tensor]:
     """The ``transformers`` state of our model state ``state`` (fields ``m``); contiguous tensors. A tied
     output head is left out, as ``save_pretrained`` does."""
-    out = _gpt2_to_hf(state, m) if m.flavor == "gpt2" else _llama_to_hf(state, m)
+    out = {"gpt2": _gpt2_to_hf, "llama": _llama_to_hf, "bert": _bert_to_hf}[m.flavor](state, m)
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def from_hf(hf: State, m) -> dict[str, torch.Tensor]:
     """Our model state (every key of ``Transformer(m).state_dict()``) from a ``transformers`` state."""
     hf = normalized(hf, m)
-    return _gpt2_from_hf(hf, m) if m.flavor == "gpt2" else _llama_from_hf(hf, m)
+    return {"gpt2": _gpt2_from_hf, "llama": _llama_from_hf, "bert": _bert_from_hf}[m.flavor](hf, m)
 
 
 def normalized(hf: Mapping, m) -> dict:
     """Keys as :func:`to_hf` writes them: the base-model checkpoints on the Hub (``GPT2Model``'s
     ``h.0...``, ``LlamaModel``'s ``layers.0...``) lack the ``transformer.`` / ``model.`` prefix, and
     buffers some versions saved (GPT-2's ``attn.bias`` masks, ``rotary_emb.inv_freq``) are dropped."""
-    prefix = "transformer." if m.flavor == "gpt2" else "model."
+    prefix = {"gpt2": "transformer.", "llama": "model.", "bert": "bert."}[m.flavor]
     out = {}
     for key, value in hf.items():
-        if key.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")):
+        if key.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq", "position_ids")):
             continue
-        out[key if key.startswith(prefix) or key == "lm_head.weight" else prefix + key] = value
+        keep = key.startswith(prefix) or key == "lm_head.weight" or key.startswith("cls.")
+        out[key if keep else prefix + key] = value
     return out
 
 
@@ -78,7 +79,8 @@ def check_shapes(hf_shapes: Mapping[str, tuple[int, ...]], m, where: str) -> Non
         if tuple(given[key]) != shape:
             raise HFError(f"{where}: tensor {key} has shape {list(given[key])}, but config.json implies "
                           f"{list(shape)}")
-    unknown = sorted(names - set(expected) - {"lm_head.weight"})
+    unknown = sorted(names - set(expected) - {"lm_head.weight", "cls.predictions.decoder.weight",
+                                              "cls.predictions.decoder.bias"})
     if unknown:
         raise HFError(f"{where}: tensor {unknown[0]} is not part of a {m.flavor} model with this config.json "
                       f"({len(unknown)} unknown tensors)")
@@ -139,4 +141,44 @@ def _llama_from_hf(h: State, m) -> dict[str, torch.Tensor]:
         for a, b in _LLAMA_BLOCK.items():
             out[f"blocks.{i}.{a}"] = h[f"model.layers.{i}.{b}"]
     out["lm_head.weight"] = out["tok_emb.weight"] if m.tie_embeddings else h["lm_head.weight"]
+    return out
+
+
+_BERT_BLOCK = {  # ours -> transformers, inside layer i (weight and bias each)
+    "attn.q_proj": "attention.self.query", "attn.k_proj": "attention.self.key", "attn.v_proj": "attention.self.value",
+    "attn.o_proj": "attention.output.dense", "norm1": "attention.output.LayerNorm",
+    "mlp.fc_in": "intermediate.dense", "mlp.fc_out": "output.dense", "norm2": "output.LayerNorm",
+}
+_BERT_TOP = {  # ours -> transformers, outside the layers
+    "tok_emb.weight": "bert.embeddings.word_embeddings.weight",
+    "pos_emb.weight": "bert.embeddings.position_embeddings.weight",
+    "type_emb.weight": "bert.embeddings.token_type_embeddings.weight",
+    "emb_norm.weight": "bert.embeddings.LayerNorm.weight", "emb_norm.bias": "bert.embeddings.LayerNorm.bias",
+    "mlm_dense.weight": "cls.predictions.transform.dense.weight",
+    "mlm_dense.bias": "cls.predictions.transform.dense.bias",
+    "norm_f.weight": "cls.predictions.transform.LayerNorm.weight",
+    "norm_f.bias": "cls.predictions.transform.LayerNorm.bias",
+    "lm_head.bias": "cls.predictions.bias",
+}
+
+
+def _bert_names(m) -> dict[str, str]:
+    names = dict(_BERT_TOP)
+    for i in range(m.n_layers):
+        for a, b in _BERT_BLOCK.items():
+            for t in ("weight", "bias"):
+                names[f"blocks.{i}.{a}.{t}"] = f"bert.encoder.layer.{i}.{b}.{t}"
+    if not m.tie_embeddings:
+        names["lm_head.weight"] = "cls.predictions.decoder.weight"
+    return names
+
+
+def _bert_to_hf(s: State, m) -> dict[str, torch.Tensor]:
+    return {theirs: s[ours] for ours, theirs in _bert_names(m).items()}
+
+
+def _bert_from_hf(h: State, m) -> dict[str, torch.Tensor]:
+    out = {ours: h[theirs] for ours, theirs in _bert_names(m).items()}
+    if m.tie_embeddings:
+        out["lm_head.weight"] = out["tok_emb.weight"]
     return out

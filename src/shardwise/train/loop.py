@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from shardwise.config import Config
 from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus, val_indices
+from shardwise.data.mlm import objective_windows
 from shardwise.dist.mesh import ParallelDims, init_distributed
 from shardwise.model import Transformer
 from shardwise.train import memory as train_memory
@@ -63,8 +64,8 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     dist.barrier()
     if rank != 0:
         corpus = prepare_corpus(cfg.data, run_dir)
-    train_windows = TokenWindows(corpus.train_path, cfg.data.seq_len)
-    val_windows = TokenWindows(corpus.val_path, cfg.data.seq_len)
+    train_windows = objective_windows(cfg, TokenWindows(corpus.train_path, cfg.data.seq_len))  # mlm: masked
+    val_windows = objective_windows(cfg, TokenWindows(corpus.val_path, cfg.data.seq_len))
     sampler = DistributedWindowSampler(len(train_windows), tcfg.global_batch, tcfg.seed, dp_rank, dp_size)
 
     # Model and technique: every rank builds what it holds from the seed (train/engines.py).
