@@ -10,7 +10,7 @@ from tests.test_train import assert_same_training, run
 
 BERT = {"model.preset": "custom", "model.flavor": "bert", "model.n_layers": 2, "model.d_model": 64,
         "model.n_heads": 4, "model.max_seq_len": 32, "train.objective": "mlm", "train.micro_batch": 4,
-        "train.lr": 1e-3, "train.steps": 8}
+        "train.lr": 1e-3, "train.steps": 6}
 """micro-batches of 4 windows everywhere: the step's loss is the mean of per-micro-batch means (their
 masked-token counts differ), so one process accumulates 2 micro-batches where 2 ranks take one each."""
 
@@ -45,13 +45,41 @@ def test_bert_configs_that_are_not_implemented_are_refused_with_one_line():
         return Config.load(overrides={**base, **{k.replace("_", ".", 1): str(v) for k, v in overrides.items()}}) \
             .resolve(tokenizer_vocab=257)
 
-    assert resolve().model.vocab_size == 258, "one id past the tokenizer's for [MASK]"
+    assert resolve().model.vocab_size == 260, "[PAD], [CLS], [MASK] past the tokenizer's ids"
     for overrides, message in [
-        ({"train_objective": "classify"}, "train.objective='classify' is not implemented yet"),
+        ({"train_objective": "classify"}, "model.n_classes=0: train.objective='classify' needs the number"),
+        ({"train_objective": "classify", "model_n_classes": 2}, "reads a label per document from a jsonl or parquet"),
         ({"train_objective": "causal"}, "model.flavor='bert' is a bidirectional encoder"),
         ({"parallel_pp": 2}, "parallel.pp=2 with model.flavor='bert' is not implemented yet"),
         ({"parallel_tp": 2}, "parallel.tp=2 with model.flavor='bert' is not implemented yet"),
-        ({"model_vocab_size": 257}, "model.vocab_size=257 leaves no id for bert's [MASK]"),
+        ({"model_vocab_size": 259}, "model.vocab_size=259 leaves no ids for bert's [PAD], [CLS] and [MASK]"),
     ]:
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
             resolve(**overrides)
+
+
+def labelled_jsonl(path, n: int = 160):
+    """Documents of random words; label 1 when the word "needle" occurs."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa"]
+    lines = []
+    for _ in range(n):
+        text = [rng.choice(words) for _ in range(rng.randint(2, 5))]
+        label = rng.random() < 0.5
+        if label:
+            text.insert(rng.randint(0, len(text)), "needle")
+        lines.append(json.dumps({"text": " ".join(text), "label": int(label)}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_classify_on_data_parallel_and_zero2_equals_one_process(tmp_path, cache_dir):
+    data = labelled_jsonl(tmp_path / "docs.jsonl")
+    cls = {**BERT, "train.objective": "classify", "model.n_classes": 2, "data.source": str(data),
+           "data.val_fraction": 0.2, "data.max_bytes": 0}
+    single = run(tmp_path, cache_dir, "cls1", 1, **cls)  # (it learns: see the README; 8 steps are too few)
+    assert_same_training(run(tmp_path, cache_dir, "cls-dp2", 2, **cls), single, atol=1e-5)
+    assert_same_training(run(tmp_path, cache_dir, "cls-zero2", 2, **cls, **{"parallel.zero": 2}), single, atol=1e-5)

@@ -66,6 +66,8 @@ def _context(dotted: str, value, tmp_path: Path) -> dict:
         return {"train.objective": "mlm"}
     if (dotted, value) == ("train.objective", "mlm"):
         return {"model.flavor": "bert"}
+    if (dotted, value) == ("train.objective", "classify"):
+        return {"model.flavor": "bert", "model.n_classes": 2, "data.source": str(labelled(tmp_path))}
     if dotted == "data.format":
         return {"data.source": str(tmp_path)}
     if dotted == "parallel.offload":
@@ -75,6 +77,13 @@ def _context(dotted: str, value, tmp_path: Path) -> dict:
     if dotted == "parallel.pp_partition":
         return {"parallel.pp": 2}
     return {}
+
+
+def labelled(tmp_path: Path) -> Path:
+    """A one-document labelled jsonl source (train.objective classify)."""
+    path = tmp_path / "labelled.jsonl"
+    path.write_text('{"text": "a b", "label": 1}\n')
+    return path
 
 
 EXTRA_VALUES = {"parallel.pp_partition": ("2",), "data.tokenizer": ("{tmp}/tokenizer.json",)}
@@ -143,7 +152,8 @@ def test_choice_tuples_equal_their_consumers():
     assert set(CHOICES["comm.algorithm"]) == {"auto", *ALL_REDUCE_ALGORITHMS}
 
 
-FREE_TEXT = {"data.source", "data.text_field", "data.cache_dir", "parallel.offload_dir", "run.dir", "model.init_from"}
+FREE_TEXT = {"data.source", "data.text_field", "data.cache_dir", "parallel.offload_dir", "run.dir", "model.init_from",
+             "data.label_field"}
 """Text fields that are not a choice among names (paths, a column name)."""
 
 
@@ -209,6 +219,8 @@ PROOFS: dict[str, tuple] = {
     "model.dropout": (reads("model/transformer.py"),),
     "model.tie_embeddings": (reads("model/transformer.py"),),
     "model.init_std": (reads("model/transformer.py"),),
+    "model.n_classes": (reads("model/transformer.py"),
+                        Refused({"model.n_classes": 3}, "but train.objective='causal'")),
     "model.init_from": (reads("train/loop.py", "hf/init.py"),
                         Refused({"model.init_from": "gpt2"}, "use 'hf:PATH'")),
     "data.source": (reads("data/cache.py"),),
@@ -221,6 +233,8 @@ PROOFS: dict[str, tuple] = {
     "data.val_fraction": (reads("data/cache.py"),),
     "data.max_bytes": (reads("data/cache.py"),),
     "data.cache_dir": (reads("data/cache.py"),),
+    "data.label_field": (reads("data/labelled.py"),
+                         Refused({"data.label_field": "y"}, "but train.objective='causal'")),
     "train.steps": (reads("train/loop.py"),),
     "train.global_batch": (reads("train/loop.py"), Derives({"train.global_batch": 16}, ("train.micro_batch",))),
     "train.micro_batch": (reads("train/loop.py"), Derives({"train.micro_batch": 4}, ("train.grad_accum",))),

@@ -30,6 +30,9 @@ SHAPES = {
     "bert": {"model.flavor": "bert", "model.n_layers": 2, "model.d_model": 32, "model.n_heads": 4,
              "model.max_seq_len": 16, "model.vocab_size": 300, "train.objective": "mlm"},
 }
+CLASSIFY = {"train.objective": "classify", "data.source": __file__, "data.format": "jsonl"}
+"""A classifier's config needs a labelled source; this one is never read."""
+SHAPES["bert_cls"] = {**SHAPES["bert"], **CLASSIFY, "model.n_classes": 3}
 
 
 def model_config(overrides: dict):
@@ -74,6 +77,24 @@ def test_exported_directory_is_the_same_model_in_transformers(flavor, tmp_path):
     text = "héllo wörld ✓\n\tdef f(x):"
     assert tok.encode(text, add_special_tokens=False) == ByteTokenizer().encode(text)
     assert tok.eos_token_id == 256 and tok.decode(ByteTokenizer().encode(text)) == text
+
+
+def test_bert_classifier_exports_as_sequence_classification(tmp_path):
+    from shardwise.model.transformer import bert_special_ids
+
+    model = random_model("bert_cls")
+    out = export_model(model.state_dict(), model.cfg, ByteTokenizer(), tmp_path / "out")
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert type(theirs).__name__ == "BertForSequenceClassification" and theirs.config.num_labels == 3
+    pad, cls, _ = bert_special_ids(300)
+    tokens = torch.randint(0, 257, (3, 16), generator=torch.Generator().manual_seed(1))
+    tokens[:, 0] = cls
+    tokens[1, 9:] = tokens[2, 5:] = pad
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), theirs(tokens, attention_mask=(tokens != pad).long()).logits,
+                                   atol=1e-5, rtol=0)
+    back = load_hf_state(out, _imported_config(out, **CLASSIFY))
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
 
 
 def _transformers_directory(flavor: str, path: Path) -> Path:

@@ -30,8 +30,7 @@ class ConfigError(ValueError):
 # ---- the values of choice-valued fields (config_resolve validates with CHOICES; tests walk it) -------
 
 FLAVORS = ("gpt2", "llama", "bert")
-OBJECTIVES = ("causal", "mlm")
-"""train.objective ("classify" is named in the design and refused until it exists)."""
+OBJECTIVES = ("causal", "mlm", "classify")
 DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "hf")
 """data.format (the same as shardwise.data.sources.FORMATS)."""
 TOKENIZERS = ("byte", "bpe")
@@ -95,6 +94,8 @@ class ModelConfig:
     """Share token embedding and output head; default True for gpt2, False for llama."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation (GPT-2 scheme)."""
+    n_classes: int = 0
+    """With train.objective = "classify": classes of bert's [CLS] classifier (labels 0..n_classes-1)."""
     init_from: str = ""
     """Start from pretrained weights instead of the seeded initialisation: "hf:PATH", a transformers
     directory (GPT2LMHeadModel or LlamaForCausalLM: config.json + safetensors) whose config.json gives the
@@ -121,6 +122,8 @@ class DataConfig:
     """Fraction of documents held out for validation (chosen by a hash of the document name)."""
     max_bytes: int = 0
     """Read at most this many bytes of corpus text (0 = all)."""
+    label_field: str = "label"
+    """With train.objective = "classify": the jsonl field or parquet column holding each document's integer label."""
     cache_dir: str = ""
     """Where tokenized corpora are cached as memory-mapped arrays; default ~/.cache/shardwise."""
 
@@ -169,9 +172,9 @@ class TrainConfig:
     eval_batches: int = 8
     """Micro-batches per validation."""
     objective: str = "causal"
-    """"causal" (next-token prediction: gpt2, llama) or "mlm" (masked language modelling, Devlin et al. 2019
-    §3.1: 15 % of the tokens of each window chosen, 80 % replaced by [MASK] = the last vocabulary id, 10 % by a
-    random token, 10 % kept; bert only)."""
+    """"causal" (next-token prediction: gpt2, llama), "mlm" (masked language modelling, Devlin et al. 2019
+    §3.1: 15 % of the tokens of each window chosen, 80 % replaced by [MASK], 10 % by a random token, 10 % kept)
+    or "classify" (one label per document of a jsonl / parquet source, [CLS] classifier); mlm and classify: bert."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU; 0 = look up the GPU, or measure a matmul on CPU."""
 

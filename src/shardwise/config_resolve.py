@@ -103,12 +103,13 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
     _positive("model.d_ff", m.d_ff)
     if m.tie_embeddings is None:
         m.tie_embeddings = m.flavor in ("gpt2", "bert")
-    if m.flavor == "bert" and tokenizer_vocab is not None:  # one id more than the tokenizer's: [MASK]
+    if m.flavor == "bert" and tokenizer_vocab is not None:  # [PAD], [CLS], [MASK] past the tokenizer's ids
         if m.vocab_size is None:
-            m.vocab_size = tokenizer_vocab + 1
-        elif m.vocab_size <= tokenizer_vocab:
-            raise ConfigError(f"model.vocab_size={m.vocab_size} leaves no id for bert's [MASK] after the tokenizer's "
-                              f"{tokenizer_vocab}; use at least {tokenizer_vocab + 1} or leave it unset")
+            m.vocab_size = tokenizer_vocab + 3
+        elif m.vocab_size < tokenizer_vocab + 3:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} leaves no ids for bert's [PAD], [CLS] and [MASK] "
+                              f"after the tokenizer's {tokenizer_vocab}; use at least {tokenizer_vocab + 3} or leave "
+                              "it unset")
     if m.vocab_size is None:
         m.vocab_size = tokenizer_vocab
     elif tokenizer_vocab is not None and m.vocab_size < tokenizer_vocab:
@@ -372,17 +373,27 @@ def pipeline_partition(text: str) -> tuple[str, list[int] | None]:
 def _resolve_objective(cfg: Config) -> None:
     """The training objective must suit the flavour; the bert flavour runs under data parallelism and ZeRO."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    if t.objective == "classify":
-        raise ConfigError("train.objective='classify' is not implemented yet (a labelled data source and a [CLS] "
-                          "head); use 'mlm' with model.flavor='bert', or 'causal'")
     _choice("train.objective", t.objective)
-    if t.objective == "mlm" and m.flavor != "bert":
-        raise ConfigError(f"train.objective='mlm' masks tokens for the bidirectional bert flavour, but model.flavor="
+    if t.objective != "causal" and m.flavor != "bert":
+        raise ConfigError(f"train.objective={t.objective!r} is for the bidirectional bert flavour, but model.flavor="
                           f"{m.flavor!r} is causal; set model.flavor='bert' or train.objective='causal'")
+    if t.objective == "classify":
+        if m.n_classes < 2:
+            raise ConfigError(f"model.n_classes={m.n_classes}: train.objective='classify' needs the number of "
+                              "classes (at least 2)")
+        from shardwise.data.sources import DataError, open_source
+
+        try:
+            kind = open_source(cfg.data.source, cfg.data.format).kind
+        except DataError:
+            kind = None  # the data layer names the problem when it reads the source
+        if kind is not None and kind not in ("jsonl", "parquet"):
+            raise ConfigError(f"train.objective='classify' reads a label per document from a jsonl or parquet "
+                              f"data.source, but data.source={cfg.data.source!r}; give such a file or directory")
     if m.flavor == "bert":
-        if t.objective != "mlm":
-            raise ConfigError(f"model.flavor='bert' is a bidirectional encoder: train.objective={t.objective!r} would "
-                              "let every token see its target; set train.objective='mlm'")
+        if t.objective == "causal":
+            raise ConfigError("model.flavor='bert' is a bidirectional encoder: train.objective='causal' would "
+                              "let every token see its target; set train.objective='mlm' or 'classify'")
         for axis in ("pp", "tp"):
             if getattr(p, axis) > 1:
                 raise ConfigError(f"parallel.{axis}={getattr(p, axis)} with model.flavor='bert' is not implemented "
@@ -441,6 +452,10 @@ def _refuse_unused(cfg: Config) -> None:
          f"column, but data.source={d.source!r} is read as plain text; remove it or give such a data.source"),
         ("data.bpe_vocab_size", d.tokenizer == "bpe",
          f"sizes a trained BPE tokenizer, but data.tokenizer={d.tokenizer!r}; set data.tokenizer='bpe' or remove it"),
+        ("model.n_classes", t.objective == "classify", f"sizes the classifier of train.objective='classify', but "
+         f"train.objective={t.objective!r}; set train.objective='classify' or remove it"),
+        ("data.label_field", t.objective == "classify", f"names the label of train.objective='classify', but "
+         f"train.objective={t.objective!r}; set train.objective='classify' or remove it"),
         ("train.recompute_every", t.recompute == "full", f"applies to train.recompute='full', but train.recompute="
          f"{t.recompute!r}; set train.recompute='full' or remove it"),
         ("train.fp16_init_scale", t.precision == "fp16", f"configures the fp16 loss scaler, but train.precision="

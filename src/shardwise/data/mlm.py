@@ -6,7 +6,7 @@ others carry the ignored target -100). The choice for window ``i`` is drawn from
 ``(seed, i)`` alone -- "static masking" (Liu et al. 2019, RoBERTa §4.1) -- so it is the same on every
 layout, rank and resume, as the windows of a step are.
 
-``[MASK]`` is the last id of the model's vocabulary, one past the tokenizer's (config resolution reserves
+``[MASK]`` is bert's special id (the last of the vocabulary, past the tokenizer's; config resolution reserves
 it); random replacements are drawn from the tokenizer's ids.
 """
 
@@ -17,6 +17,7 @@ import zlib
 import torch
 
 from shardwise.data.sampler import TokenWindows
+from shardwise.model.transformer import bert_special_ids
 
 MASK_PROB, MASK_TOKEN, RANDOM_TOKEN = 0.15, 0.8, 0.1
 
@@ -39,20 +40,28 @@ class MaskedWindows:
     """:class:`TokenWindows` with ``batch(ids)`` returning masked inputs and MLM targets instead of the
     next-token pair (the window itself, not shifted)."""
 
-    def __init__(self, windows: TokenWindows, mask_id: int, seed: int):
-        self.windows, self.mask_id, self.seed = windows, mask_id, seed
+    def __init__(self, windows: TokenWindows, mask_id: int, seed: int, n_random: int):
+        self.windows, self.mask_id, self.seed, self.n_random = windows, mask_id, seed, n_random
 
     def __len__(self) -> int:
         return len(self.windows)
 
     def batch(self, ids) -> tuple[torch.Tensor, torch.Tensor]:
         x, _ = self.windows.batch(ids)
-        pairs = [mask_window(row, self.seed, int(i), self.mask_id, self.mask_id) for row, i in zip(x, ids, strict=True)]
+        pairs = [mask_window(row, self.seed, int(i), self.mask_id, self.n_random)
+                 for row, i in zip(x, ids, strict=True)]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
 
-def objective_windows(cfg, windows: TokenWindows):
-    """The windows the loop trains on for ``cfg.train.objective``: next-token pairs, or masked (mlm)."""
+def objective_windows(cfg, corpus, split: str):
+    """What the loop trains (``split`` "train") or evaluates ("val") on for ``cfg.train.objective``: next-token
+    windows, masked windows (mlm) or labelled sequences (classify); each has ``batch(ids) -> (inputs, targets)``."""
+    if cfg.train.objective == "classify":
+        from shardwise.data.labelled import labelled_split
+
+        return labelled_split(cfg, corpus, split)
+    windows = TokenWindows(corpus.train_path if split == "train" else corpus.val_path, cfg.data.seq_len)
     if cfg.train.objective == "mlm":
-        return MaskedWindows(windows, mask_id=cfg.model.vocab_size - 1, seed=cfg.train.seed)
+        _pad, _cls, mask = bert_special_ids(cfg.model.vocab_size)
+        return MaskedWindows(windows, mask_id=mask, seed=cfg.train.seed, n_random=_pad)
     return windows

@@ -9,7 +9,8 @@ before any worker starts.
   rotate-half layout (the layout of the ``transformers`` Llama checkpoints), grouped-query attention,
   no biases.
 * ``bert`` <-> ``BertForMaskedLM`` (model_type "bert"): post-norm encoder, exact GELU (``hidden_act = "gelu"``),
-  absolute positions, two token types, the masked-LM head tied to the word embeddings.
+  absolute positions, two token types, the masked-LM head tied to the word embeddings; with
+  ``model.n_classes`` <-> ``BertForSequenceClassification`` (pooler and classifier instead of the head).
 
 Anything else (another ``model_type``, rope scaling, biases in Llama, another activation) is refused with
 one line naming the key, its value and what we accept -- a silently different model would be worse.
@@ -112,7 +113,9 @@ def _bert_fields(hf: dict, where: str) -> dict[str, Any]:
     _require(hf, "type_vocab_size", hf.get("type_vocab_size", 2) == 2, "use 2", where)
     _require(hf, "position_embedding_type", hf.get("position_embedding_type", "absolute") == "absolute",
              "use 'absolute'", where)
-    return dict(flavor="bert", n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
+    classifier = "BertForSequenceClassification" in (hf.get("architectures") or [])
+    n_classes = len(hf.get("id2label") or {}) or hf.get("num_labels", 2) if classifier else 0
+    return dict(flavor="bert", n_classes=n_classes, n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
                 n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_attention_heads"], d_ff=hf["intermediate_size"],
                 vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
                 norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
@@ -137,6 +140,10 @@ def hf_config(m, eos_id: int | None = None, bos_id: int | None = None) -> dict[s
                 "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}, "hidden_act": "silu",
                 "attention_bias": False, "mlp_bias": False, "attention_dropout": m.dropout, "use_cache": True}
     if m.flavor == "bert":
+        if m.n_classes:  # the [CLS] classifier instead of the masked-LM head
+            common = {**common, "architectures": ["BertForSequenceClassification"],
+                      "id2label": {str(i): f"LABEL_{i}" for i in range(m.n_classes)},
+                      "label2id": {f"LABEL_{i}": i for i in range(m.n_classes)}, "classifier_dropout": None}
         return {**common, "num_hidden_layers": m.n_layers, "hidden_size": m.d_model,
                 "num_attention_heads": m.n_heads, "intermediate_size": m.d_ff, "hidden_act": "gelu",
                 "max_position_embeddings": m.max_seq_len, "type_vocab_size": 2, "layer_norm_eps": m.norm_eps,

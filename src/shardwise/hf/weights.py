@@ -53,7 +53,7 @@ def normalized(hf: Mapping, m) -> dict:
     for key, value in hf.items():
         if key.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq", "position_ids")):
             continue
-        keep = key.startswith(prefix) or key == "lm_head.weight" or key.startswith("cls.")
+        keep = key.startswith((prefix, "cls.", "classifier.")) or key == "lm_head.weight"
         out[key if keep else prefix + key] = value
     return out
 
@@ -154,6 +154,8 @@ _BERT_TOP = {  # ours -> transformers, outside the layers
     "pos_emb.weight": "bert.embeddings.position_embeddings.weight",
     "type_emb.weight": "bert.embeddings.token_type_embeddings.weight",
     "emb_norm.weight": "bert.embeddings.LayerNorm.weight", "emb_norm.bias": "bert.embeddings.LayerNorm.bias",
+}
+_BERT_MLM = {
     "mlm_dense.weight": "cls.predictions.transform.dense.weight",
     "mlm_dense.bias": "cls.predictions.transform.dense.bias",
     "norm_f.weight": "cls.predictions.transform.LayerNorm.weight",
@@ -162,13 +164,17 @@ _BERT_TOP = {  # ours -> transformers, outside the layers
 }
 
 
+_BERT_CLASSIFIER = {"pooler.weight": "bert.pooler.dense.weight", "pooler.bias": "bert.pooler.dense.bias",
+                    "classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"}
+
+
 def _bert_names(m) -> dict[str, str]:
-    names = dict(_BERT_TOP)
+    names = {**_BERT_TOP, **(_BERT_CLASSIFIER if m.n_classes else _BERT_MLM)}
     for i in range(m.n_layers):
         for a, b in _BERT_BLOCK.items():
             for t in ("weight", "bias"):
                 names[f"blocks.{i}.{a}.{t}"] = f"bert.encoder.layer.{i}.{b}.{t}"
-    if not m.tie_embeddings:
+    if not m.tie_embeddings and not m.n_classes:
         names["lm_head.weight"] = "cls.predictions.decoder.weight"
     return names
 
@@ -179,6 +185,6 @@ def _bert_to_hf(s: State, m) -> dict[str, torch.Tensor]:
 
 def _bert_from_hf(h: State, m) -> dict[str, torch.Tensor]:
     out = {ours: h[theirs] for ours, theirs in _bert_names(m).items()}
-    if m.tie_embeddings:
+    if m.tie_embeddings and not m.n_classes:
         out["lm_head.weight"] = out["tok_emb.weight"]
     return out

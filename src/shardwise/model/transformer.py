@@ -9,7 +9,10 @@
   bidirectional attention (padding masks), learned position and token-type embeddings summed and
   LayerNorm-ed, *post*-norm blocks (``norm(x + sublayer(x))``, Vaswani et al. 2017 §3.1) with the
   exact GELU, and the masked-language-model head (dense, GELU, LayerNorm, then the output projection
-  tied to the token embedding, with a bias).
+  tied to the token embedding, with a bias) -- or, with ``n_classes``, the sequence classifier on the
+  first ([CLS]) position (pooler: dense + tanh, then a linear layer; Devlin et al. 2019 §4.1). The last
+  three vocabulary ids are bert's [PAD], [CLS] and [MASK] (:func:`bert_special_ids`); keys at [PAD]
+  are masked out of attention when classifying.
 
 ``model.blocks[i].forward(x) -> x`` takes and returns one ``[B, T, d_model]`` tensor, so blocks can
 be wrapped (activation checkpointing) or distributed (pipeline stages) from outside.
@@ -105,6 +108,7 @@ class Transformer(nn.Module):
             raise ValueError(f"model.flavor={cfg.flavor!r} is not valid; use 'gpt2', 'llama' or 'bert'")
         self.cfg = cfg
         gpt2, bert = cfg.flavor in ("gpt2", "bert"), cfg.flavor == "bert"  # gpt2: learned positions
+        self.classifies = bert and bool(getattr(cfg, "n_classes", 0))
         device = torch.empty(0).device  # the default device, honouring `with torch.device(...)`
         # Build on the meta device, then allocate once and initialise with reset_parameters: this
         # skips torch's default (kaiming) init, which would consume the global RNG.
@@ -115,12 +119,17 @@ class Transformer(nn.Module):
             self.rope = None if gpt2 else RotaryEmbedding(head_dim, cfg.max_seq_len, cfg.rope_theta)
             self.drop = nn.Dropout(cfg.dropout)
             self.blocks = nn.ModuleList(Block(cfg, i, self.rope) for i in range(cfg.n_layers))
-            if bert:  # token types, the embeddings' LayerNorm, the masked-LM head's transform
+            if bert:  # token types, the embeddings' LayerNorm
                 self.type_emb = nn.Embedding(TOKEN_TYPES, cfg.d_model)
                 self.emb_norm = _norm(cfg)
-                self.mlm_dense = nn.Linear(cfg.d_model, cfg.d_model)
-            self.norm_f = _norm(cfg)
-            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=bert)
+            if self.classifies:  # the [CLS] pooler and classifier instead of the language-model head
+                self.pooler = nn.Linear(cfg.d_model, cfg.d_model)
+                self.classifier = nn.Linear(cfg.d_model, cfg.n_classes)
+            else:
+                if bert:  # the masked-LM head's transform
+                    self.mlm_dense = nn.Linear(cfg.d_model, cfg.d_model)
+                self.norm_f = _norm(cfg)
+                self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=bert)
         self.loss_fn = mean_cross_entropy
         self.tie_weights()
         if device.type != "meta":
@@ -145,7 +154,11 @@ class Transformer(nn.Module):
 
     def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and output projection; logits, or ``self.loss_fn(logits, targets)`` with ``targets``.
-        (bert: the masked-LM transform ``norm_f(gelu(mlm_dense(x)))`` before the projection.)"""
+        (bert: the masked-LM transform ``norm_f(gelu(mlm_dense(x)))`` before the projection; classifying: the
+        class logits ``classifier(tanh(pooler(x[:, 0])))`` and their mean cross-entropy against ``targets [B]``.)"""
+        if self.classifies:
+            logits = self.classifier(torch.tanh(self.pooler(x[:, 0])))
+            return logits if targets is None else F.cross_entropy(logits.float(), targets)
         if self.cfg.flavor == "bert":
             x = F.gelu(self.mlm_dense(x))
         logits = self.lm_head(self.norm_f(x))
@@ -160,6 +173,8 @@ class Transformer(nn.Module):
         ``padding_mask [B, T]`` (True = a real token) and ``token_types [B, T]``."""
         if (padding_mask is not None or token_types is not None) and self.cfg.flavor != "bert":
             raise ValueError("padding_mask and token_types are for the bidirectional bert flavour")
+        if self.classifies and padding_mask is None:
+            padding_mask = tokens != bert_special_ids(self.cfg.vocab_size)[0]
         x = self.embed(tokens, None if cache is None else cache.positions, token_types)
         for block in self.blocks:
             if padding_mask is not None:
@@ -203,7 +218,7 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Make ``lm_head.weight`` the token embedding tensor when ``cfg.tie_embeddings`` (Press & Wolf
         2017). ``Module.to_empty`` unties shared parameters; :meth:`reset_parameters` re-ties them."""
-        if self.cfg.tie_embeddings and self.lm_head.weight is not self.tok_emb.weight:
+        if self.cfg.tie_embeddings and not self.classifies and self.lm_head.weight is not self.tok_emb.weight:
             self.lm_head.weight = self.tok_emb.weight
 
     @torch.no_grad()
@@ -220,6 +235,11 @@ class Transformer(nn.Module):
                 continue
             value = initial_value(name, p.shape, seed, init_std=self.cfg.init_std, n_layers=self.cfg.n_layers)
             p.copy_(value)
+
+
+def bert_special_ids(vocab_size: int) -> tuple[int, int, int]:
+    """bert's ``([PAD], [CLS], [MASK])``: the last three ids of the vocabulary, past the tokenizer's."""
+    return vocab_size - 3, vocab_size - 2, vocab_size - 1
 
 
 def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

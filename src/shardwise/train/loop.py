@@ -64,8 +64,8 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     dist.barrier()
     if rank != 0:
         corpus = prepare_corpus(cfg.data, run_dir)
-    train_windows = objective_windows(cfg, TokenWindows(corpus.train_path, cfg.data.seq_len))  # mlm: masked
-    val_windows = objective_windows(cfg, TokenWindows(corpus.val_path, cfg.data.seq_len))
+    train_windows = objective_windows(cfg, corpus, "train")  # token windows; masked (mlm); labelled (classify)
+    val_windows = objective_windows(cfg, corpus, "val")
     sampler = DistributedWindowSampler(len(train_windows), tcfg.global_batch, tcfg.seed, dp_rank, dp_size)
 
     # Model and technique: every rank builds what it holds from the seed (train/engines.py).
