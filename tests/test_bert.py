@@ -1,5 +1,6 @@
-"""The bert flavour with the masked-LM objective in the trainer: data parallel and ZeRO-3 on 2 ranks train the
-same model as one process (fp32, 1e-5); the masking is 15 % / 80-10-10 and the same for every layout."""
+"""The bert flavour in the trainer: masked-LM on data parallel, ZeRO-3 and pp 2, classification on data parallel
+and ZeRO-2, each on 2 ranks, train the same model as one process (fp32, 1e-5); the masking is 15 % / 80-10-10
+and the same for every layout; what is not implemented is refused with one line."""
 
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ def test_masking_is_15_percent_80_10_10():
     assert torch.equal(again[0], inputs), "seeded by (seed, window) alone"
 
 
-def test_mlm_on_data_parallel_and_zero3_equals_one_process(tmp_path, cache_dir):
+def test_mlm_on_data_parallel_zero3_and_pipeline_equals_one_process(tmp_path, cache_dir):
     single = run(tmp_path, cache_dir, "bert1", 1, **BERT)
     assert single[0][-1] < single[0][0], f"the loss should fall: {single[0]}"
     assert_same_training(run(tmp_path, cache_dir, "bert-dp2", 2, **BERT), single, atol=1e-5)
     assert_same_training(run(tmp_path, cache_dir, "bert-zero3", 2, **BERT, **{"parallel.zero": 3}), single, atol=1e-5)
+    assert_same_training(run(tmp_path, cache_dir, "bert-pp2", 2, **BERT, **{"parallel.pp": 2}), single, atol=1e-5)
 
 
 def test_bert_configs_that_are_not_implemented_are_refused_with_one_line():
@@ -50,7 +52,8 @@ def test_bert_configs_that_are_not_implemented_are_refused_with_one_line():
         ({"train_objective": "classify"}, "model.n_classes=0: train.objective='classify' needs the number"),
         ({"train_objective": "classify", "model_n_classes": 2}, "reads a label per document from a jsonl or parquet"),
         ({"train_objective": "causal"}, "model.flavor='bert' is a bidirectional encoder"),
-        ({"parallel_pp": 2}, "parallel.pp=2 with model.flavor='bert' is not implemented yet"),
+        ({"parallel_pp": 2, "train_objective": "classify", "model_n_classes": 2, "data_source": __file__,
+          "data_format": "jsonl"}, "parallel.pp=2 with train.objective='classify' is not implemented yet"),
         ({"parallel_tp": 2}, "parallel.tp=2 with model.flavor='bert' is not implemented yet"),
         ({"model_vocab_size": 259}, "model.vocab_size=259 leaves no ids for bert's [PAD], [CLS] and [MASK]"),
     ]:
