@@ -139,6 +139,10 @@ def test_import_then_export_is_bit_exact(flavor, tmp_path):
     assert before.keys() == after.keys()
     for key in before:
         assert torch.equal(before[key], after[key]), key
+    if flavor == "gpt2":  # the Hub's GPT-2 checkpoints are GPT2Model's: no "transformer." prefix
+        save_file({k.removeprefix("transformer."): v for k, v in before.items()}, str(src / "model.safetensors"),
+                  metadata={"format": "pt"})
+        assert all(torch.equal(load_hf_state(src, m)[k], v) for k, v in state.items())
 
 
 def test_unsupported_or_mismatched_directories_are_named(tmp_path):

@@ -1,4 +1,4 @@
-"""Plain single-device model code: a decoder-only transformer (GPT-2 and Llama flavours) and sampling
+"""Plain single-device model code: a transformer (GPT-2 and Llama decoders, a BERT encoder) and sampling
 (with a key/value cache).
 
 Parallelism is applied from outside (``shardwise.parallel``); nothing here knows about it.

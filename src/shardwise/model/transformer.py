@@ -85,7 +85,7 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model: ``embed -> blocks -> norm_f -> lm_head``.
+    """Language model: ``embed -> blocks -> norm_f -> lm_head`` (bert: an encoder, see the module docstring).
 
     ``model(tokens)`` returns logits ``[B, T, vocab_size]``; ``model(tokens, targets)`` returns
     ``self.loss_fn(logits, targets)``: by default :func:`mean_cross_entropy`, the mean next-token
