@@ -166,6 +166,9 @@ def test_unsupported_or_mismatched_directories_are_named(tmp_path):
     with pytest.raises(HFError, match=r"tensor transformer.h.1.mlp.c_fc.weight has shape \[32, 100\], but "
                                       r"config.json implies \[32, 128\]"):
         load_hf_state(src, m)
+    with pytest.raises(ConfigError, match=r"^model.init_from='hf:.*': .*tensor transformer.h.1.mlp.c_fc.weight has "
+                                          r"shape \[32, 100\]"):  # before any worker starts
+        _imported_config(src)
     del tensors["transformer.h.1.mlp.c_fc.weight"]
     save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(HFError, match=r"tensor transformer.h.1.mlp.c_fc.weight is missing"):

@@ -121,6 +121,14 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
     _positive("model.max_seq_len", m.max_seq_len)
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    if m.init_from and m.vocab_size is not None:  # the weights' names and shapes, before any worker starts
+        from shardwise.hf.config_map import HFError, hf_path
+        from shardwise.hf.load import check_directory
+
+        try:
+            check_directory(hf_path(m.init_from), m)
+        except HFError as e:
+            raise ConfigError(f"model.init_from={m.init_from!r}: {e}") from None
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
 

@@ -41,6 +41,23 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def tensor_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the safetensors headers (no data is read)."""
+    shapes = {}
+    for path in weight_files(directory):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def check_directory(directory: Path, m) -> None:
+    """HFError unless ``directory``'s weights are those of a model with fields ``m`` (headers only: cheap enough
+    to run when the config is validated, before any worker starts)."""
+    check_model_fields(directory, m)
+    check_shapes(tensor_shapes(directory), m, str(directory))
+
+
 def check_model_fields(directory: Path, m) -> None:
     """HFError when the resolved model fields ``m`` differ from the directory's config.json."""
     fields = model_fields(read_hf_config(directory), f"{directory}/config.json")
