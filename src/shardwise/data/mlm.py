@@ -17,7 +17,6 @@ import zlib
 import torch
 
 from shardwise.data.sampler import TokenWindows
-from shardwise.model.transformer import bert_special_ids
 
 MASK_PROB, MASK_TOKEN, RANDOM_TOKEN = 0.15, 0.8, 0.1
 
@@ -51,17 +50,3 @@ class MaskedWindows:
         pairs = [mask_window(row, self.seed, int(i), self.mask_id, self.n_random)
                  for row, i in zip(x, ids, strict=True)]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-
-
-def objective_windows(cfg, corpus, split: str):
-    """What the loop trains (``split`` "train") or evaluates ("val") on for ``cfg.train.objective``: next-token
-    windows, masked windows (mlm) or labelled sequences (classify); each has ``batch(ids) -> (inputs, targets)``."""
-    if cfg.train.objective == "classify":
-        from shardwise.data.labelled import labelled_split
-
-        return labelled_split(cfg, corpus, split)
-    windows = TokenWindows(corpus.train_path if split == "train" else corpus.val_path, cfg.data.seq_len)
-    if cfg.train.objective == "mlm":
-        _pad, _cls, mask = bert_special_ids(cfg.model.vocab_size)
-        return MaskedWindows(windows, mask_id=mask, seed=cfg.train.seed, n_random=_pad)
-    return windows

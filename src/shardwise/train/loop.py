@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from shardwise.config import Config
 from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus, val_indices
-from shardwise.data.mlm import objective_windows
+from shardwise.data.objectives import objective_windows
 from shardwise.dist.mesh import ParallelDims, init_distributed
 from shardwise.model import Transformer
 from shardwise.train import memory as train_memory
