@@ -154,27 +154,25 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.rope is not None:
             q, k = self.rope(q, k, None if cache is None else cache.positions)
-        if padding_mask is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=padding_mask[:, None, None, :],
-                                               dropout_p=self.dropout if self.training else 0.0,
-                                               enable_gqa=k.shape[1] != q.shape[1])
-        elif cache is None:
-            y = self.core(q, k, v)
+        if cache is None:
+            y = self.core(q, k, v, None if padding_mask is None else padding_mask[:, None, None, :])
         else:
             k, v = cache.append(k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=k.shape[1] != q.shape[1])
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The attention core on ``[B, H, T, hd]`` heads: causal (or, for an encoder, bidirectional)
         scores, softmax, dropout and the weighted sum of values (Vaswani et al. 2017, eq. 1) -- the part
-        of a layer whose activations grow with T^2 in an eager implementation."""
+        of a layer whose activations grow with T^2 in an eager implementation. ``mask``: keys each query may
+        attend to (bert's padding mask, ``[B, 1, 1, T]``)."""
         return F.scaled_dot_product_attention(
             q,
             k,
             v,
+            attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=self.causal,
+            is_causal=self.causal and mask is None,
             enable_gqa=k.shape[1] != q.shape[1],
         )
 
