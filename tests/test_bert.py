@@ -1,5 +1,5 @@
-"""The bert flavour in the trainer: masked-LM on data parallel, ZeRO-3 and pp 2, classification on data parallel
-and ZeRO-2, each on 2 ranks, train the same model as one process (fp32, 1e-5); the masking is 15 % / 80-10-10
+"""The bert flavour in the trainer: masked-LM on data parallel, ZeRO-3, pp 2 and tp 2, classification on data
+parallel, ZeRO-2 and tp 2, each on 2 ranks, train the same model as one process (fp32, 1e-5); the masking is 15 % / 80-10-10
 and the same for every layout; what is not implemented is refused with one line."""
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ def test_masking_is_15_percent_80_10_10():
     assert torch.equal(again[0], inputs), "seeded by (seed, window) alone"
 
 
-def test_mlm_on_data_parallel_zero3_and_pipeline_equals_one_process(tmp_path, cache_dir):
+def test_mlm_on_data_parallel_zero3_pipeline_and_tensor_parallel_equals_one_process(tmp_path, cache_dir):
     single = run(tmp_path, cache_dir, "bert1", 1, **BERT)
     assert single[0][-1] < single[0][0], f"the loss should fall: {single[0]}"
     assert_same_training(run(tmp_path, cache_dir, "bert-dp2", 2, **BERT), single, atol=1e-5)
     assert_same_training(run(tmp_path, cache_dir, "bert-zero3", 2, **BERT, **{"parallel.zero": 3}), single, atol=1e-5)
     assert_same_training(run(tmp_path, cache_dir, "bert-pp2", 2, **BERT, **{"parallel.pp": 2}), single, atol=1e-5)
+    assert_same_training(run(tmp_path, cache_dir, "bert-tp2", 2, **BERT, **{"parallel.tp": 2}), single, atol=1e-5)
 
 
 def test_bert_configs_that_are_not_implemented_are_refused_with_one_line():
@@ -54,7 +55,8 @@ def test_bert_configs_that_are_not_implemented_are_refused_with_one_line():
         ({"train_objective": "causal"}, "model.flavor='bert' is a bidirectional encoder"),
         ({"parallel_pp": 2, "train_objective": "classify", "model_n_classes": 2, "data_source": __file__,
           "data_format": "jsonl"}, "parallel.pp=2 with train.objective='classify' is not implemented yet"),
-        ({"parallel_tp": 2}, "parallel.tp=2 with model.flavor='bert' is not implemented yet"),
+        ({"parallel_tp": 2, "parallel_sequence_parallel": "true"},
+         "parallel.sequence_parallel=True with model.flavor='bert' is not implemented yet"),
         ({"model_vocab_size": 259}, "model.vocab_size=259 leaves no ids for bert's [PAD], [CLS] and [MASK]"),
     ]:
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -79,10 +81,11 @@ def labelled_jsonl(path, n: int = 160):
     return path
 
 
-def test_classify_on_data_parallel_and_zero2_equals_one_process(tmp_path, cache_dir):
+def test_classify_on_data_parallel_zero2_and_tensor_parallel_equals_one_process(tmp_path, cache_dir):
     data = labelled_jsonl(tmp_path / "docs.jsonl")
     cls = {**BERT, "train.objective": "classify", "model.n_classes": 2, "data.source": str(data),
            "data.val_fraction": 0.2, "data.max_bytes": 0}
     single = run(tmp_path, cache_dir, "cls1", 1, **cls)  # (it learns: see the README; 8 steps are too few)
     assert_same_training(run(tmp_path, cache_dir, "cls-dp2", 2, **cls), single, atol=1e-5)
     assert_same_training(run(tmp_path, cache_dir, "cls-zero2", 2, **cls, **{"parallel.zero": 2}), single, atol=1e-5)
+    assert_same_training(run(tmp_path, cache_dir, "cls-tp2", 2, **cls, **{"parallel.tp": 2}), single, atol=1e-5)

@@ -402,9 +402,9 @@ def _resolve_objective(cfg: Config) -> None:
         if t.objective == "causal":
             raise ConfigError("model.flavor='bert' is a bidirectional encoder: train.objective='causal' would "
                               "let every token see its target; set train.objective='mlm' or 'classify'")
-        if p.tp > 1:
-            raise ConfigError(f"parallel.tp={p.tp} with model.flavor='bert' is not implemented yet (the encoder "
-                              "runs under data parallelism, ZeRO 1-3 and, for mlm, pipelines); use 1")
+        if p.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel=True with model.flavor='bert' is not implemented yet (its "
+                              "token-type embeddings would need splitting along the sequence); use false")
         if p.pp > 1 and t.objective == "classify":
             raise ConfigError(f"parallel.pp={p.pp} with train.objective='classify' is not implemented yet (the "
                               "padding mask would have to travel with the activations); use 1")
