@@ -27,9 +27,7 @@ def training_flops_per_token(model_cfg: ModelConfig, seq_len: int | None = None)
     the planner counts the parameters exactly from the config (an untied head once, as the vocabulary
     projection). ``seq_len`` defaults to ``model_cfg.max_seq_len``."""
     spec = ModelSpec(
-        # bert as gpt2 (same blocks; its token-type table, embedding norm and MLM transform, < 1 % of N, left out)
-        flavor="gpt2" if model_cfg.flavor == "bert" else model_cfg.flavor,
-        n_layers=model_cfg.n_layers, d_model=model_cfg.d_model, n_heads=model_cfg.n_heads,
+        flavor=model_cfg.flavor, n_layers=model_cfg.n_layers, d_model=model_cfg.d_model, n_heads=model_cfg.n_heads,
         n_kv_heads=model_cfg.n_kv_heads or model_cfg.n_heads, d_ff=model_cfg.d_ff, vocab_size=model_cfg.vocab_size,
         max_seq_len=model_cfg.max_seq_len, tie_embeddings=bool(model_cfg.tie_embeddings),
     )
