@@ -62,6 +62,12 @@ def _context(dotted: str, value, tmp_path: Path) -> dict:
     if dotted == "model.preset" and value == "custom":
         return {"model.flavor": "gpt2", "model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4,
                 "model.max_seq_len": 64}
+    if (dotted, value) == ("model.flavor", "bert"):
+        return {"train.objective": "mlm"}
+    if (dotted, value) == ("train.objective", "mlm"):
+        return {"model.flavor": "bert"}
+    if (dotted, value) == ("train.objective", "classify"):
+        return {"model.flavor": "bert", "model.n_classes": 2, "data.source": str(labelled(tmp_path))}
     if dotted == "data.format":
         return {"data.source": str(tmp_path)}
     if dotted == "parallel.offload":
@@ -77,6 +83,13 @@ def _context(dotted: str, value, tmp_path: Path) -> dict:
     if dotted.startswith("ps."):
         return {"ps.servers": 1}
     return {}
+
+
+def labelled(tmp_path: Path) -> Path:
+    """A one-document labelled jsonl source (train.objective classify)."""
+    path = tmp_path / "labelled.jsonl"
+    path.write_text('{"text": "a b", "label": 1}\n')
+    return path
 
 
 EXTRA_VALUES = {"parallel.pp_partition": ("2",), "data.tokenizer": ("{tmp}/tokenizer.json",)}
@@ -150,7 +163,7 @@ def test_choice_tuples_equal_their_consumers():
 
 
 FREE_TEXT = {"data.source", "data.text_field", "data.cache_dir", "parallel.offload_dir", "run.dir", "run.fault",
-             "parallel.rdzv_endpoint", "ps.straggler"}
+             "parallel.rdzv_endpoint", "ps.straggler", "model.init_from", "data.label_field"}
 """Text fields that are not a choice among names (paths, a column name, "RANK:MS")."""
 
 
@@ -216,6 +229,10 @@ PROOFS: dict[str, tuple] = {
     "model.dropout": (reads("model/transformer.py"),),
     "model.tie_embeddings": (reads("model/transformer.py"),),
     "model.init_std": (reads("model/transformer.py"),),
+    "model.n_classes": (reads("model/transformer.py"),
+                        Refused({"model.n_classes": 3}, "but train.objective='causal'")),
+    "model.init_from": (reads("train/loop.py", "hf/init.py"),
+                        Refused({"model.init_from": "gpt2"}, "use 'hf:PATH'")),
     "data.source": (reads("data/cache.py"),),
     "data.format": (reads("data/cache.py"), Refused({"data.format": "jsonl"}, "data.source='stdlib'")),
     "data.text_field": (reads("data/cache.py"), Refused({"data.text_field": "body"}, "read as plain text")),
@@ -226,6 +243,8 @@ PROOFS: dict[str, tuple] = {
     "data.val_fraction": (reads("data/cache.py"),),
     "data.max_bytes": (reads("data/cache.py"),),
     "data.cache_dir": (reads("data/cache.py"),),
+    "data.label_field": (reads("data/labelled.py"),
+                         Refused({"data.label_field": "y"}, "but train.objective='causal'")),
     "train.steps": (reads("train/loop.py"),),
     "train.global_batch": (reads("train/loop.py"), Derives({"train.global_batch": 16}, ("train.micro_batch",))),
     "train.micro_batch": (reads("train/loop.py"), Derives({"train.micro_batch": 4}, ("train.grad_accum",))),
@@ -252,6 +271,8 @@ PROOFS: dict[str, tuple] = {
     "train.eval_every": (reads("train/loop.py"),),
     "train.eval_batches": (reads("train/loop.py"),),
     "train.peak_flops": (reads("train/loop.py"),),
+    "train.objective": (reads("data/objectives.py"),
+                        Refused({"train.objective": "mlm"}, "model.flavor='gpt2' is causal")),
     "parallel.nproc": (reads("launch.py"), Derives({"parallel.nproc": 1}, ("parallel.dp",))),
     "parallel.nnodes": (reads("launch.py"), Derives({"parallel.nnodes": 2}, ("parallel.dp",))),
     "parallel.rdzv_endpoint": (reads("launch.py"), Refused({"parallel.rdzv_endpoint": "n0:29400"}, "nnodes=1")),

@@ -1,4 +1,4 @@
-"""The ``shardwise`` command: train, generate, plot, config show.
+"""The ``shardwise`` command: train, generate, export, plot, config show.
 
 Any config field can be given as ``--section.key VALUE`` after the subcommand's own options.
 Errors from bad input print one line and exit 2; ``--debug`` shows the traceback.
@@ -51,11 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="sample text from a trained run")
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--prompt", action="append", help="text to continue (repeat for a batch; default 'def ')")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", type=Path, help="a checkpoint directory (default: the newest valid one)")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole context every step (no key/value "
+                                                           "cache; the same tokens, slower)")
+
+    p = sub.add_parser("export", help="write a run's model and tokenizer for another library (--format hf: "
+                                      "a transformers directory)")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--format", choices=["hf"], required=True, help="hf: config.json, model.safetensors, tokenizer")
     p.add_argument("--checkpoint", type=Path, help="a checkpoint directory (default: the newest valid one)")
 
     p = sub.add_parser("plot", help="plot loss and throughput of runs; `plot timeline RUN_DIR`: a pipeline's schedule")
@@ -118,10 +127,11 @@ def _report(error: Exception, debug: bool) -> int:
 
 def _known_errors() -> tuple[type[BaseException], ...]:
     from shardwise.data import DataError
+    from shardwise.hf.config_map import HFError
     from shardwise.launch import WorkerFailed
     from shardwise.train.checkpoint import CheckpointError
 
-    return (ConfigError, DataError, CheckpointError, WorkerFailed, FileNotFoundError)
+    return (ConfigError, DataError, CheckpointError, WorkerFailed, FileNotFoundError, FileExistsError, HFError)
 
 
 def cmd_train(args, overrides: dict[str, str]) -> int:
@@ -138,9 +148,24 @@ def cmd_train(args, overrides: dict[str, str]) -> int:
 def cmd_generate(args, _overrides) -> int:
     from shardwise.generate_run import generate_from_run
 
-    text = generate_from_run(args.run_dir, args.prompt, args.max_new_tokens, args.temperature,
-                             args.top_k, args.seed, args.checkpoint)
-    print(args.prompt + text)
+    prompts = args.prompt or ["def "]
+    timing: dict = {}
+    texts = generate_from_run(args.run_dir, prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                              args.checkpoint, use_cache=not args.no_cache, timing=timing)
+    for prompt, text in zip(prompts, texts, strict=True):
+        print(prompt + text)
+    how = "no cache" if args.no_cache else "key/value cache"
+    print(f"{timing['tokens']} tokens in {timing['seconds']:.2f} s: {timing['tokens_per_s']:.1f} tokens/s "
+          f"({len(prompts)} prompt(s), {how})", file=sys.stderr)
+    return 0
+
+
+def cmd_export(args, _overrides) -> int:
+    from shardwise.hf.export import export_run
+
+    out = export_run(args.run_dir, args.out_dir, args.checkpoint)
+    print(f"wrote {out} (config.json, model.safetensors, tokenizer); load it with transformers' "
+          "AutoModelForCausalLM.from_pretrained")
     return 0
 
 
@@ -185,7 +210,7 @@ def cmd_bench(args, _overrides) -> int:
     return importlib.import_module(benches[args.args[0]]).main(args.args[1:])
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "plot": cmd_plot, "config": cmd_config,
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "export": cmd_export, "plot": cmd_plot, "config": cmd_config,
             "plan": cmd_plan, "bench": cmd_bench}
 
 if __name__ == "__main__":  # pragma: no cover

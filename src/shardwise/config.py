@@ -29,7 +29,8 @@ class ConfigError(ValueError):
 
 # ---- the values of choice-valued fields (config_resolve validates with CHOICES; tests walk it) -------
 
-FLAVORS = ("gpt2", "llama")
+FLAVORS = ("gpt2", "llama", "bert")
+OBJECTIVES = ("causal", "mlm", "classify")
 DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "hf")
 """data.format (the same as shardwise.data.sources.FORMATS)."""
 TOKENIZERS = ("byte", "bpe")
@@ -62,7 +63,7 @@ PS_SCHEDULINGS = ("fifo", "priority")
 CHOICES: dict[str, tuple] = {
     "model.preset": PRESET_NAMES, "model.flavor": FLAVORS,
     "data.format": DATA_FORMATS, "data.tokenizer": TOKENIZERS,
-    "train.precision": PRECISIONS, "train.recompute": RECOMPUTE_MODES,
+    "train.precision": PRECISIONS, "train.objective": OBJECTIVES, "train.recompute": RECOMPUTE_MODES,
     "parallel.zero": ZERO_STAGES, "parallel.offload": OFFLOADS,
     "parallel.zero_param_dtype": ZERO_PARAM_DTYPES, "parallel.pp_schedule": PP_SCHEDULES,
     "parallel.pp_partition": PP_PARTITIONS, "parallel.backend": BACKENDS, "run.device": DEVICES,
@@ -79,7 +80,8 @@ class ModelConfig:
     preset: str = "cpu-demo"
     """Named size (see shardwise.model.presets) or "custom"; explicit fields override it."""
     flavor: str | None = None
-    """"gpt2" (LayerNorm, GELU, learned positions, tied embeddings) or "llama" (RMSNorm, SwiGLU, RoPE, GQA)."""
+    """"gpt2" (LayerNorm, GELU, learned positions, tied embeddings), "llama" (RMSNorm, SwiGLU, RoPE, GQA) or
+    "bert" (bidirectional encoder: post-norm, exact GELU, learned positions and token types, masked-LM head)."""
     n_layers: int | None = None
     """Number of transformer blocks."""
     d_model: int | None = None
@@ -104,6 +106,12 @@ class ModelConfig:
     """Share token embedding and output head; default True for gpt2, False for llama."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation (GPT-2 scheme)."""
+    n_classes: int = 0
+    """With train.objective = "classify": classes of bert's [CLS] classifier (labels 0..n_classes-1)."""
+    init_from: str = ""
+    """Start from pretrained weights instead of the seeded initialisation: "hf:PATH", a transformers
+    directory (GPT2LMHeadModel or LlamaForCausalLM: config.json + safetensors) whose config.json gives the
+    model's shape; "" = initialise from train.seed."""
 
 
 @dataclass
@@ -126,6 +134,8 @@ class DataConfig:
     """Fraction of documents held out for validation (chosen by a hash of the document name)."""
     max_bytes: int = 0
     """Read at most this many bytes of corpus text (0 = all)."""
+    label_field: str = "label"
+    """With train.objective = "classify": the jsonl field or parquet column holding each document's integer label."""
     cache_dir: str = ""
     """Where tokenized corpora are cached as memory-mapped arrays; default ~/.cache/shardwise."""
 
@@ -176,6 +186,10 @@ class TrainConfig:
     """Validation loss every N steps (and at the end; 0 = only at the end)."""
     eval_batches: int = 8
     """Micro-batches per validation."""
+    objective: str = "causal"
+    """"causal" (next-token prediction: gpt2, llama), "mlm" (masked language modelling, Devlin et al. 2019
+    §3.1: 15 % of the tokens of each window chosen, 80 % replaced by [MASK], 10 % by a random token, 10 % kept)
+    or "classify" (one label per document of a jsonl / parquet source, [CLS] classifier); mlm and classify: bert."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU; 0 = look up the GPU, or measure a matmul on CPU."""
 

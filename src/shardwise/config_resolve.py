@@ -39,6 +39,7 @@ def resolve_config(cfg: Config, world_size: int | None = None, tokenizer_vocab: 
     _resolve_pipeline(cfg)
     _resolve_tensor_parallel(cfg)
     _resolve_context_parallel(cfg)
+    _resolve_objective(cfg)
     _validate_train(cfg.train)
     _check_zero_param_dtype(cfg)
     _validate_misc(cfg)
@@ -66,6 +67,8 @@ def _divisors(n: int) -> str:
 
 
 def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
+    if m.init_from:
+        _apply_init_from(m)
     shape = (m.n_layers, m.d_model, m.n_heads)
     if m.preset == "cpu-demo" and m.max_seq_len is None and None not in shape and \
             shape != tuple(PRESETS["cpu-demo"][k] for k in ("n_layers", "d_model", "n_heads")):
@@ -93,16 +96,23 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
             f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}; "
             f"use one of {_divisors(m.n_heads)}"
         )
-    if m.flavor == "gpt2" and m.n_kv_heads != m.n_heads:
-        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: the gpt2 flavor has no grouped-query attention; "
+    if m.flavor in ("gpt2", "bert") and m.n_kv_heads != m.n_heads:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: the {m.flavor} flavor has no grouped-query attention; "
                           f"use {m.n_heads} or model.flavor='llama'")
     if m.flavor == "llama" and (m.d_model // m.n_heads) % 2:
         raise ConfigError(f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even for rotary embeddings")
     if m.d_ff is None:
-        m.d_ff = 4 * m.d_model if m.flavor == "gpt2" else 64 * math.ceil(8 * m.d_model / 3 / 64)
+        m.d_ff = 4 * m.d_model if m.flavor in ("gpt2", "bert") else 64 * math.ceil(8 * m.d_model / 3 / 64)
     _positive("model.d_ff", m.d_ff)
     if m.tie_embeddings is None:
-        m.tie_embeddings = m.flavor == "gpt2"
+        m.tie_embeddings = m.flavor in ("gpt2", "bert")
+    if m.flavor == "bert" and tokenizer_vocab is not None:  # [PAD], [CLS], [MASK] past the tokenizer's ids
+        if m.vocab_size is None:
+            m.vocab_size = tokenizer_vocab + 3
+        elif m.vocab_size < tokenizer_vocab + 3:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} leaves no ids for bert's [PAD], [CLS] and [MASK] "
+                              f"after the tokenizer's {tokenizer_vocab}; use at least {tokenizer_vocab + 3} or leave "
+                              "it unset")
     if m.vocab_size is None:
         m.vocab_size = tokenizer_vocab
     elif tokenizer_vocab is not None and m.vocab_size < tokenizer_vocab:
@@ -114,8 +124,41 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
     _positive("model.max_seq_len", m.max_seq_len)
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    if m.init_from and m.vocab_size is not None:  # the weights' names and shapes, before any worker starts
+        from shardwise.hf.config_map import HFError, hf_path
+        from shardwise.hf.load import check_directory
+
+        try:
+            check_directory(hf_path(m.init_from), m)
+        except HFError as e:
+            raise ConfigError(f"model.init_from={m.init_from!r}: {e}") from None
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
+
+
+def _apply_init_from(m: ModelConfig) -> None:
+    """Fill the model's shape from the config.json of ``model.init_from = "hf:PATH"`` (shardwise.hf); a field
+    given explicitly must agree with it."""
+    from shardwise.hf.config_map import HFError, hf_path, model_fields, read_hf_config
+
+    try:
+        path = hf_path(m.init_from)
+        fields = model_fields(read_hf_config(path), f"{path}/config.json")
+    except HFError as e:
+        raise ConfigError(f"model.init_from={m.init_from!r}: {e}") from None
+    if m.preset not in ("cpu-demo", "custom"):
+        raise ConfigError(f"model.preset={m.preset!r} with model.init_from={m.init_from!r}: the directory's "
+                          "config.json gives the model's shape; remove model.preset")
+    m.preset = "custom"
+    for key, value in fields.items():
+        given, default = getattr(m, key), getattr(DEFAULT_MODEL, key)
+        if given is not None and given != default and given != value:
+            raise ConfigError(f"model.{key}={given!r} but model.init_from={m.init_from!r} has {value!r}; "
+                              f"remove model.{key}")
+        setattr(m, key, value)
+
+
+DEFAULT_MODEL = ModelConfig()
 
 
 def _resolve_data(cfg: Config) -> None:
@@ -260,6 +303,10 @@ def _resolve_ps(cfg: Config) -> None:
     if t.recompute != "none":
         raise ConfigError(f"ps.servers={ps.servers} with train.recompute={t.recompute!r}: the parameter-server "
                           "workers run the plain model; use train.recompute='none'")
+    if t.objective != "causal" or cfg.model.init_from:
+        raise ConfigError(f"ps.servers={ps.servers} with train.objective={t.objective!r}, model.init_from="
+                          f"{cfg.model.init_from!r}: the parameter server trains next-token windows from the seed's "
+                          "initialisation for now; use train.objective='causal' and no init_from")
 
 
 def _is_number(text: str) -> bool:
@@ -316,6 +363,9 @@ def _resolve_context_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     if p.cp == 1:
         return
+    if m.flavor == "bert":
+        raise ConfigError(f"parallel.cp={p.cp} with model.flavor='bert': the context-parallel attention cores are "
+                          "causal, and an encoder's padding masks do not follow the sequence split; use parallel.cp=1")
     chunks = 2 * p.cp if p.cp_balance == "headtail" else p.cp
     if cfg.data.seq_len % (chunks * (p.tp if p.sequence_parallel else 1)):
         what = f"{chunks} chunks (parallel.cp={p.cp}, parallel.cp_balance={p.cp_balance!r})"
@@ -434,6 +484,38 @@ def pipeline_partition(text: str) -> tuple[str, list[int] | None]:
     return text, None
 
 
+def _resolve_objective(cfg: Config) -> None:
+    """The training objective must suit the flavour; the bert flavour runs under data parallelism and ZeRO."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    _choice("train.objective", t.objective)
+    if t.objective != "causal" and m.flavor != "bert":
+        raise ConfigError(f"train.objective={t.objective!r} is for the bidirectional bert flavour, but model.flavor="
+                          f"{m.flavor!r} is causal; set model.flavor='bert' or train.objective='causal'")
+    if t.objective == "classify":
+        if m.n_classes < 2:
+            raise ConfigError(f"model.n_classes={m.n_classes}: train.objective='classify' needs the number of "
+                              "classes (at least 2)")
+        from shardwise.data.sources import DataError, open_source
+
+        try:
+            kind = open_source(cfg.data.source, cfg.data.format).kind
+        except DataError:
+            kind = None  # the data layer names the problem when it reads the source
+        if kind is not None and kind not in ("jsonl", "parquet"):
+            raise ConfigError(f"train.objective='classify' reads a label per document from a jsonl or parquet "
+                              f"data.source, but data.source={cfg.data.source!r}; give such a file or directory")
+    if m.flavor == "bert":
+        if t.objective == "causal":
+            raise ConfigError("model.flavor='bert' is a bidirectional encoder: train.objective='causal' would "
+                              "let every token see its target; set train.objective='mlm' or 'classify'")
+        if p.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel=True with model.flavor='bert' is not implemented yet (its "
+                              "token-type embeddings would need splitting along the sequence); use false")
+        if p.pp > 1 and t.objective == "classify":
+            raise ConfigError(f"parallel.pp={p.pp} with train.objective='classify' is not implemented yet (the "
+                              "padding mask would have to travel with the activations); use 1")
+
+
 def _validate_train(t: TrainConfig) -> None:
     _positive("train.steps", t.steps)
     _positive("train.lr", t.lr)
@@ -502,6 +584,10 @@ def _refuse_unused(cfg: Config) -> None:
          f"column, but data.source={d.source!r} is read as plain text; remove it or give such a data.source"),
         ("data.bpe_vocab_size", d.tokenizer == "bpe",
          f"sizes a trained BPE tokenizer, but data.tokenizer={d.tokenizer!r}; set data.tokenizer='bpe' or remove it"),
+        ("model.n_classes", t.objective == "classify", f"sizes the classifier of train.objective='classify', but "
+         f"train.objective={t.objective!r}; set train.objective='classify' or remove it"),
+        ("data.label_field", t.objective == "classify", f"names the label of train.objective='classify', but "
+         f"train.objective={t.objective!r}; set train.objective='classify' or remove it"),
         ("train.recompute_every", t.recompute == "full", f"applies to train.recompute='full', but train.recompute="
          f"{t.recompute!r}; set train.recompute='full' or remove it"),
         ("train.fp16_init_scale", t.precision == "fp16", f"configures the fp16 loss scaler, but train.precision="

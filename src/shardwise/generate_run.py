@@ -29,14 +29,27 @@ def load_trained_model(run_dir: Path, checkpoint: Path | None = None):
     return model, cfg
 
 
-def generate_from_run(run_dir: Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-                      top_k: int | None = 50, seed: int = 0, checkpoint: Path | None = None) -> str:
+def generate_from_run(run_dir: Path, prompt: str | list[str], max_new_tokens: int = 200, temperature: float = 0.8,
+                      top_k: int | None = 50, seed: int = 0, checkpoint: Path | None = None,
+                      use_cache: bool = True, timing: dict | None = None) -> str | list[str]:
+    """The text generated after ``prompt`` (or after each of a list of prompts, as one batch). ``timing``,
+    when given, receives ``tokens`` (generated, all rows), ``seconds`` and ``tokens_per_s``."""
+    import time
+
     from shardwise.data import tokenizer_from_run
-    from shardwise.model import generate
+    from shardwise.model import generate_batch
 
     model, _cfg = load_trained_model(run_dir, checkpoint)
     tokenizer = tokenizer_from_run(run_dir)
-    prompt_ids = tokenizer.encode(prompt)
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    ids = [tokenizer.encode(p) for p in prompts]
+    t0 = time.perf_counter()
     with torch.inference_mode():
-        new_ids = generate(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
-    return tokenizer.decode(new_ids)
+        new_ids = generate_batch(model, ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                                 use_cache=use_cache)
+    if timing is not None:
+        seconds = time.perf_counter() - t0
+        timing.update(tokens=max_new_tokens * len(ids), seconds=seconds,
+                      tokens_per_s=max_new_tokens * len(ids) / seconds if seconds else 0.0)
+    texts = [tokenizer.decode(n) for n in new_ids]
+    return texts[0] if isinstance(prompt, str) else texts

@@ -1,4 +1,5 @@
-"""Plain single-device model code: a decoder-only transformer (GPT-2 and Llama flavours) and sampling.
+"""Plain single-device model code: a transformer (GPT-2 and Llama decoders, a BERT encoder) and sampling
+(with a key/value cache).
 
 Parallelism is applied from outside (``shardwise.parallel``); nothing here knows about it.
 
@@ -16,6 +17,8 @@ _EXPORTS = {
     "Block": "shardwise.model.transformer",
     "initial_value": "shardwise.model.transformer",
     "generate": "shardwise.model.generate",
+    "generate_batch": "shardwise.model.generate",
+    "KVCache": "shardwise.model.kv_cache",
     "Attention": "shardwise.model.layers",
     "GeluMLP": "shardwise.model.layers",
     "RMSNorm": "shardwise.model.layers",
@@ -27,16 +30,19 @@ __all__ = [
     "Attention",
     "Block",
     "GeluMLP",
+    "KVCache",
     "RMSNorm",
     "RotaryEmbedding",
     "SwiGLU",
     "Transformer",
     "generate",
+    "generate_batch",
     "initial_value",
 ]
 
 if TYPE_CHECKING:
-    from shardwise.model.generate import generate
+    from shardwise.model.generate import generate, generate_batch
+    from shardwise.model.kv_cache import KVCache
     from shardwise.model.layers import Attention, GeluMLP, RMSNorm, RotaryEmbedding, SwiGLU
     from shardwise.model.transformer import Block, Transformer, initial_value
 

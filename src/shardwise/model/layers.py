@@ -11,7 +11,7 @@ Sources:
     "rotate half" layout of GPT-NeoX (Black et al. 2022), which pairs dimension i with i + d/2.
   * Scaled dot-product attention: Vaswani et al. 2017, §3.2.1; multi-head attention §3.2.2.
   * Grouped-query attention: Ainslie et al. 2023, "GQA", §2.
-  * GELU MLP: Radford et al. 2019 (GPT-2) after Hendrycks & Gimpel 2016.
+  * GELU MLP: Radford et al. 2019 (GPT-2), Devlin et al. 2019 (BERT) after Hendrycks & Gimpel 2016.
   * SwiGLU MLP: Shazeer 2020, "GLU Variants Improve Transformer", eq. 6; Touvron et al. 2023 §2.2.
 """
 
@@ -87,17 +87,22 @@ class RotaryEmbedding(nn.Module):
             self.reset_parameters()
         return self
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape ``[B, H, T, head_dim]`` by the angles of positions ``0..T-1``."""
-        t = x.shape[-2]
-        cos, sin = self.cos[:t].float(), self.sin[:t].float()
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x`` of shape ``[B, H, T, head_dim]`` by the angles of positions ``0..T-1``, or of
+        ``positions [B, T]`` (incremental decoding, left-padded batches)."""
+        if positions is None:
+            t = x.shape[-2]
+            cos, sin = self.cos[:t].float(), self.sin[:t].float()
+        else:
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, T, hd/2]
         x32 = x.float()
         x1, x2 = x32.chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.type_as(x)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotate(q), self.rotate(k)
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotate(q, positions), self.rotate(k, positions)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}"
@@ -122,6 +127,7 @@ class Attention(nn.Module):
         bias: bool,
         dropout: float = 0.0,
         rope: RotaryEmbedding | None = None,
+        causal: bool = True,
     ):
         super().__init__()
         if d_model % n_heads or n_heads % n_kv_heads:
@@ -135,42 +141,55 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
         self.rope = rope
+        self.causal = causal
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [B, T, d_model]``; with ``cache`` (a :class:`~shardwise.model.kv_cache.LayerCache`, for
+        incremental decoding) the new keys and values are appended to the cached ones and the queries
+        attend under the cache's mask at the cache's positions. ``padding_mask [B, T]`` (True = a real
+        token; bidirectional attention only) keeps every query off the padded keys."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, H_kv, T, hd]
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.rope is not None:
-            q, k = self.rope(q, k)
-        y = self.core(q, k, v)
+            q, k = self.rope(q, k, None if cache is None else cache.positions)
+        if cache is None:
+            y = self.core(q, k, v, None if padding_mask is None else padding_mask[:, None, None, :])
+        else:
+            k, v = cache.append(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=k.shape[1] != q.shape[1])
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The attention core on ``[B, H, T, hd]`` heads: causal scores, softmax, dropout and the
-        weighted sum of values (Vaswani et al. 2017, eq. 1) -- the part of a layer whose activations
-        grow with T^2 in an eager implementation."""
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention core on ``[B, H, T, hd]`` heads: causal (or, for an encoder, bidirectional)
+        scores, softmax, dropout and the weighted sum of values (Vaswani et al. 2017, eq. 1) -- the part
+        of a layer whose activations grow with T^2 in an eager implementation. ``mask``: keys each query may
+        attend to (bert's padding mask, ``[B, 1, 1, T]``)."""
         return F.scaled_dot_product_attention(
             q,
             k,
             v,
+            attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
+            is_causal=self.causal and mask is None,
             enable_gqa=k.shape[1] != q.shape[1],
         )
 
 
 class GeluMLP(nn.Module):
-    """GPT-2 feed-forward block: ``fc_out(gelu(fc_in(x)))`` (Radford et al. 2019; tanh-approximate
-    GELU as in the released GPT-2 code, Hendrycks & Gimpel 2016)."""
+    """GPT-2 / BERT feed-forward block: ``fc_out(gelu(fc_in(x)))`` (Radford et al. 2019, with the
+    tanh-approximate GELU of the released GPT-2 code; BERT, Devlin et al. 2019, with the exact erf GELU:
+    ``approximate="none"``; Hendrycks & Gimpel 2016)."""
 
-    def __init__(self, d_model: int, d_ff: int, *, bias: bool = True):
+    def __init__(self, d_model: int, d_ff: int, *, bias: bool = True, approximate: str = "tanh"):
         super().__init__()
         self.fc_in = nn.Linear(d_model, d_ff, bias=bias)
         self.fc_out = nn.Linear(d_ff, d_model, bias=bias)
+        self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
+        return self.fc_out(F.gelu(self.fc_in(x), approximate=self.approximate))
 
 
 class SwiGLU(nn.Module):

@@ -1,10 +1,18 @@
-"""Decoder-only transformer language model in two flavours, as plain single-device PyTorch.
+"""Transformer language models in three flavours, as plain single-device PyTorch.
 
 * ``flavor="gpt2"`` — Radford et al. 2019, "Language Models are Unsupervised Multitask Learners"
   §2.3: pre-norm blocks with LayerNorm (with bias), GELU MLP, learned absolute position embeddings,
   a final LayerNorm, biases in every linear layer, output head tied to the token embedding.
 * ``flavor="llama"`` — Touvron et al. 2023, "LLaMA" §2.2: pre-norm blocks with RMSNorm, SwiGLU MLP,
   rotary position embeddings, grouped-query attention (``n_kv_heads``), no biases, untied head.
+* ``flavor="bert"`` — Devlin et al. 2019, "BERT" §3 (the released code's layout): an encoder with
+  bidirectional attention (padding masks), learned position and token-type embeddings summed and
+  LayerNorm-ed, *post*-norm blocks (``norm(x + sublayer(x))``, Vaswani et al. 2017 §3.1) with the
+  exact GELU, and the masked-language-model head (dense, GELU, LayerNorm, then the output projection
+  tied to the token embedding, with a bias) -- or, with ``n_classes``, the sequence classifier on the
+  first ([CLS]) position (pooler: dense + tanh, then a linear layer; Devlin et al. 2019 §4.1). The last
+  three vocabulary ids are bert's [PAD], [CLS] and [MASK] (:func:`bert_special_ids`); keys at [PAD]
+  are masked out of attention when classifying.
 
 ``model.blocks[i].forward(x) -> x`` takes and returns one ``[B, T, d_model]`` tensor, so blocks can
 be wrapped (activation checkpointing) or distributed (pipeline stages) from outside.
@@ -32,6 +40,8 @@ from shardwise.model.layers import Attention, GeluMLP, RMSNorm, RotaryEmbedding,
 if TYPE_CHECKING:
     from shardwise.config import ModelConfig
 
+TOKEN_TYPES = 2
+"""bert's token-type (segment) embedding rows: sentence A and B (Devlin et al. 2019 §3.2)."""
 RESIDUAL_OUTPUTS = frozenset({"o_proj", "fc_out", "down_proj"})
 """Linear layers that write into the residual stream; their init is scaled by 1/sqrt(2*n_layers)."""
 
@@ -39,14 +49,15 @@ _REQUIRED = ("flavor", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "
 
 
 def _norm(cfg: ModelConfig) -> nn.Module:
-    if cfg.flavor == "gpt2":
+    if cfg.flavor in ("gpt2", "bert"):
         return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=True)
     return RMSNorm(cfg.d_model, eps=cfg.norm_eps)
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``, with dropout on
-    both residual branches (Radford et al. 2019 §2.3; Xiong et al. 2020 for the pre-norm layout).
+    both residual branches (Radford et al. 2019 §2.3; Xiong et al. 2020 for the pre-norm layout); for
+    bert post-norm, ``norm1(x + attn(x))`` then ``norm2(x + mlp(x))`` (Vaswani et al. 2017 §3.1).
 
     ``layer_id`` is the block's index in the full model; it names the block's parameters for
     initialisation, so a process holding only some blocks initialises them identically.
@@ -54,21 +65,27 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding | None = None):
         super().__init__()
-        gpt2 = cfg.flavor == "gpt2"
+        gelu, self.post_norm = cfg.flavor in ("gpt2", "bert"), cfg.flavor == "bert"
         self.layer_id = layer_id
         self.norm1 = _norm(cfg)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=gpt2, dropout=cfg.dropout, rope=rope)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=gelu, dropout=cfg.dropout, rope=rope,
+                              causal=not self.post_norm)
         self.norm2 = _norm(cfg)
-        self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, bias=True) if gpt2 else SwiGLU(cfg.d_model, cfg.d_ff, bias=False)
+        self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, bias=True, approximate="none" if self.post_norm else "tanh") \
+            if gelu else SwiGLU(cfg.d_model, cfg.d_ff, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, cache=None, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.post_norm:
+            x = self.norm1(x + self.drop(self.attn(x, padding_mask=padding_mask)))
+            return self.norm2(x + self.drop(self.mlp(x)))
+        attn = self.attn(self.norm1(x)) if cache is None else self.attn(self.norm1(x), cache[self.layer_id])
+        x = x + self.drop(attn)
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model: ``embed -> blocks -> norm_f -> lm_head``.
+    """Language model: ``embed -> blocks -> norm_f -> lm_head`` (bert: an encoder, see the module docstring).
 
     ``model(tokens)`` returns logits ``[B, T, vocab_size]``; ``model(tokens, targets)`` returns
     ``self.loss_fn(logits, targets)``: by default :func:`mean_cross_entropy`, the mean next-token
@@ -87,10 +104,11 @@ class Transformer(nn.Module):
         missing = [k for k in _REQUIRED if getattr(cfg, k) is None]
         if missing:
             raise ValueError(f"ModelConfig fields {missing} are unset; pass Config.resolve(...).model")
-        if cfg.flavor not in ("gpt2", "llama"):
-            raise ValueError(f"model.flavor={cfg.flavor!r} is not valid; use 'gpt2' or 'llama'")
+        if cfg.flavor not in ("gpt2", "llama", "bert"):
+            raise ValueError(f"model.flavor={cfg.flavor!r} is not valid; use 'gpt2', 'llama' or 'bert'")
         self.cfg = cfg
-        gpt2 = cfg.flavor == "gpt2"
+        gpt2, bert = cfg.flavor in ("gpt2", "bert"), cfg.flavor == "bert"  # gpt2: learned positions
+        self.classifies = bert and bool(getattr(cfg, "n_classes", 0))
         device = torch.empty(0).device  # the default device, honouring `with torch.device(...)`
         # Build on the meta device, then allocate once and initialise with reset_parameters: this
         # skips torch's default (kaiming) init, which would consume the global RNG.
@@ -101,8 +119,17 @@ class Transformer(nn.Module):
             self.rope = None if gpt2 else RotaryEmbedding(head_dim, cfg.max_seq_len, cfg.rope_theta)
             self.drop = nn.Dropout(cfg.dropout)
             self.blocks = nn.ModuleList(Block(cfg, i, self.rope) for i in range(cfg.n_layers))
-            self.norm_f = _norm(cfg)
-            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            if bert:  # token types, the embeddings' LayerNorm
+                self.type_emb = nn.Embedding(TOKEN_TYPES, cfg.d_model)
+                self.emb_norm = _norm(cfg)
+            if self.classifies:  # the [CLS] pooler and classifier instead of the language-model head
+                self.pooler = nn.Linear(cfg.d_model, cfg.d_model)
+                self.classifier = nn.Linear(cfg.d_model, cfg.n_classes)
+            else:
+                if bert:  # the masked-LM head's transform
+                    self.mlm_dense = nn.Linear(cfg.d_model, cfg.d_model)
+                self.norm_f = _norm(cfg)
+                self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=bert)
         self.loss_fn = mean_cross_entropy
         self.tie_weights()
         if device.type != "meta":
@@ -111,27 +138,51 @@ class Transformer(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token (+ learned position, gpt2) embeddings of ``tokens [B, T]`` -> ``[B, T, d_model]``."""
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+              token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """Token (+ learned position, gpt2 and bert) embeddings of ``tokens [B, T]`` -> ``[B, T, d_model]``, at
+        positions ``0..T-1`` or ``positions [B, T]``; bert adds ``token_types [B, T]`` (default 0) and a LayerNorm."""
         t = tokens.shape[1]
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x = self.tok_emb(tokens)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(t, device=tokens.device))
+            x = x + self.pos_emb(torch.arange(t, device=tokens.device) if positions is None else positions)
+        if self.cfg.flavor == "bert":
+            x = self.emb_norm(x + self.type_emb(torch.zeros_like(tokens) if token_types is None else token_types))
         return self.drop(x)
 
     def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Final norm and output projection; logits, or ``self.loss_fn(logits, targets)`` with ``targets``."""
+        """Final norm and output projection; logits, or ``self.loss_fn(logits, targets)`` with ``targets``.
+        (bert: the masked-LM transform ``norm_f(gelu(mlm_dense(x)))`` before the projection; classifying: the
+        class logits ``classifier(tanh(pooler(x[:, 0])))`` and their mean cross-entropy against ``targets [B]``.)"""
+        if self.classifies:
+            logits = self.classifier(torch.tanh(self.pooler(x[:, 0])))
+            return logits if targets is None else F.cross_entropy(logits.float(), targets)
+        if self.cfg.flavor == "bert":
+            x = F.gelu(self.mlm_dense(x))
         logits = self.lm_head(self.norm_f(x))
         if targets is None:
             return logits
         return self.loss_fn(logits, targets)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(tokens)
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
+                padding_mask: torch.Tensor | None = None, token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (or the loss with ``targets``). With ``cache`` (a :class:`~shardwise.model.kv_cache.KVCache`)
+        ``tokens`` are the next tokens after those the cache holds, at the cache's positions. bert only:
+        ``padding_mask [B, T]`` (True = a real token) and ``token_types [B, T]``."""
+        if (padding_mask is not None or token_types is not None) and self.cfg.flavor != "bert":
+            raise ValueError("padding_mask and token_types are for the bidirectional bert flavour")
+        if self.classifies and padding_mask is None:
+            padding_mask = tokens != bert_special_ids(self.cfg.vocab_size)[0]
+        x = self.embed(tokens, None if cache is None else cache.positions, token_types)
         for block in self.blocks:
-            x = block(x)
+            if padding_mask is not None:
+                x = block(x, padding_mask=padding_mask)
+            else:
+                x = block(x) if cache is None else block(x, cache)
+        if cache is not None:
+            cache.advance()
         return self.head(x, targets)
 
     # ---- parameters -------------------------------------------------------------------------
@@ -167,7 +218,7 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Make ``lm_head.weight`` the token embedding tensor when ``cfg.tie_embeddings`` (Press & Wolf
         2017). ``Module.to_empty`` unties shared parameters; :meth:`reset_parameters` re-ties them."""
-        if self.cfg.tie_embeddings and self.lm_head.weight is not self.tok_emb.weight:
+        if self.cfg.tie_embeddings and not self.classifies and self.lm_head.weight is not self.tok_emb.weight:
             self.lm_head.weight = self.tok_emb.weight
 
     @torch.no_grad()
@@ -184,6 +235,11 @@ class Transformer(nn.Module):
                 continue
             value = initial_value(name, p.shape, seed, init_std=self.cfg.init_std, n_layers=self.cfg.n_layers)
             p.copy_(value)
+
+
+def bert_special_ids(vocab_size: int) -> tuple[int, int, int]:
+    """bert's ``([PAD], [CLS], [MASK])``: the last three ids of the vocabulary, past the tokenizer's."""
+    return vocab_size - 3, vocab_size - 2, vocab_size - 1
 
 
 def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

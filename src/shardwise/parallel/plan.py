@@ -48,7 +48,9 @@ from shardwise.parallel.tensor import (
     EnterRegion,
     RowParallelLinear,
     SequenceParallelPositions,
+    TPShard,
     VocabParallelEmbedding,
+    _piece,
     install_grad_sync,
     mark,
     padded_rows,
@@ -99,6 +101,14 @@ PLANS: dict[str, dict[str, str]] = {
         "blocks.*.mlp.down_proj": "rowwise",
         "norm_f": "replicate",
         "lm_head": "vocab_head",
+    },
+    "bert": {  # post-norm blocks: the sub-layer's input x enters the region (its norm comes after the residual)
+        "tok_emb": "vocab_embedding",
+        "pos_emb": "positions",
+        **_BLOCK_ATTN,
+        "blocks.*.mlp.fc_in": "colwise",
+        "blocks.*.mlp.fc_out": "rowwise",
+        "lm_head": "vocab_head",  # token types, embedding norm, MLM transform, pooler, classifier: whole
     },
 }
 """Per model flavour: ``{module path pattern: style}`` (see :data:`STYLES`). Patterns match the
@@ -215,8 +225,10 @@ def apply_tensor_parallel(
         elif style == "vocab_head":
             start, stop, local = padded_rows(module.out_features, tp, rank)
             tied = emb is not None and getattr(cfg, "tie_embeddings", False)
-            if tied:
-                head = ColumnParallelLinear(emb.weight, None, group, stats, sequence_parallel=sp, enter_region=True)
+            if tied:  # the embedding's rows; a bias (bert's) sliced and padded the same way
+                bias = None if module.bias is None else _piece(
+                    module.bias, TPShard(axis, 0, (module.out_features,), start, stop, 1, True, None), local)
+                head = ColumnParallelLinear(emb.weight, bias, group, stats, sequence_parallel=sp, enter_region=True)
             else:
                 head = ColumnParallelLinear.from_linear(
                     module, group, stats, sequence_parallel=sp, enter_region=True, rows=(start, stop),

@@ -169,9 +169,9 @@ def params_per_rank(m: ModelSpec, lay: Layout) -> tuple[float, float]:
     t, h = lay.tp, m.d_model
     layers = m.n_layers / lay.pp
     norm = norm_params(m)
-    attn_bias_rep = h if m.flavor == "gpt2" else 0  # o_proj bias is replicated
+    attn_bias_rep = h if m.flavor in ("gpt2", "bert") else 0  # o_proj bias is replicated
     attn = (attention_params(m) - attn_bias_rep) / t + attn_bias_rep
-    dense_mlp_bias_rep = h if m.flavor == "gpt2" else 0
+    dense_mlp_bias_rep = h if m.flavor in ("gpt2", "bert") else 0
     if m.n_experts:
         per_expert = (mlp_params(m) - dense_mlp_bias_rep) / t + dense_mlp_bias_rep
         experts = m.n_experts * per_expert / lay.ep
@@ -179,7 +179,7 @@ def params_per_rank(m: ModelSpec, lay: Layout) -> tuple[float, float]:
     else:
         experts = 0.0
         dense_block = attn + 2 * norm + (mlp_params(m) - dense_mlp_bias_rep) / t + dense_mlp_bias_rep
-    emb = m.vocab_size * h / t + (m.max_seq_len * h if m.flavor == "gpt2" else 0)
+    emb = m.vocab_size * h / t + (m.max_seq_len * h if m.flavor in ("gpt2", "bert") else 0)
     head = m.vocab_size * h / t
     first = emb + (0 if lay.pp > 1 else norm + (0 if m.tie_embeddings else head))
     last = norm + (head if (lay.pp > 1 or not m.tie_embeddings) else 0)

@@ -55,18 +55,18 @@ def attention_params(m: ModelSpec) -> int:
     """One block's q, k, v, o projections (biases for gpt2): 2·h·(h + h_kv) (+ 2h + 2h_kv)."""
     h, kv = m.d_model, m.kv_dim
     weights = 2 * h * h + 2 * h * kv
-    return weights + (2 * h + 2 * kv if m.flavor == "gpt2" else 0)
+    return weights + (2 * h + 2 * kv if m.flavor in ("gpt2", "bert") else 0)
 
 
 def mlp_params(m: ModelSpec) -> int:
     """One dense MLP: GELU 2·h·f + f + h (gpt2) or SwiGLU 3·h·f (llama, no biases)."""
     h, f = m.d_model, m.d_ff
-    return 2 * h * f + f + h if m.flavor == "gpt2" else 3 * h * f
+    return 2 * h * f + f + h if m.flavor in ("gpt2", "bert") else 3 * h * f
 
 
 def norm_params(m: ModelSpec) -> int:
     """One norm: LayerNorm 2h (gain and bias) or RMSNorm h."""
-    return 2 * m.d_model if m.flavor == "gpt2" else m.d_model
+    return 2 * m.d_model if m.flavor in ("gpt2", "bert") else m.d_model
 
 
 def count_params(m: ModelSpec) -> ParamCount:
@@ -76,7 +76,7 @@ def count_params(m: ModelSpec) -> ParamCount:
     active = min(m.moe_top_k, m.n_experts) if m.n_experts else 1
     return ParamCount(
         embedding=m.vocab_size * m.d_model,
-        position=m.max_seq_len * m.d_model if m.flavor == "gpt2" else 0,
+        position=m.max_seq_len * m.d_model if m.flavor in ("gpt2", "bert") else 0,
         attention=layers * attention_params(m),
         mlp=layers * experts * mlp_params(m),
         router=layers * m.d_model * m.n_experts if m.n_experts else 0,

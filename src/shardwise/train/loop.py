@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from shardwise.config import Config
 from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus, val_indices
+from shardwise.data.objectives import objective_windows
 from shardwise.dist.mesh import ParallelDims, init_distributed
 from shardwise.model import Transformer
 from shardwise.parallel.context import shard_windows
@@ -70,9 +71,10 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     dist.barrier()
     if rank != 0:
         corpus = prepare_corpus(cfg.data, run_dir)
-    # context parallelism: each cp rank reads its replica's windows and keeps its part of every sequence
-    train_windows = shard_windows(TokenWindows(corpus.train_path, cfg.data.seq_len), mesh, cfg)
-    val_windows = shard_windows(TokenWindows(corpus.val_path, cfg.data.seq_len), mesh, cfg)
+    # what the objective reads (windows; masked for mlm; labelled for classify); with context parallelism
+    # each cp rank reads its replica's windows and keeps its part of every sequence
+    train_windows = shard_windows(objective_windows(cfg, corpus, "train"), mesh, cfg)
+    val_windows = shard_windows(objective_windows(cfg, corpus, "val"), mesh, cfg)
     sampler = DistributedWindowSampler(len(train_windows), tcfg.global_batch, tcfg.seed, dp_rank, dp_size)
 
     # Model and techniques: every rank builds what it holds from the seed, composed in one order (train/engine.py).
@@ -88,6 +90,10 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     faults = FaultPlan(cfg.run.fault, rank)  # test-only injected failures (train/faults.py)
     if rank == 0:
         clean_partial_checkpoints(ckpt_root, log.log_event)
+    if cfg.model.init_from:  # pretrained weights, loaded layout-free; a checkpoint resumed below replaces them
+        from shardwise.hf.init import init_from_pretrained
+
+        log.log_event(init_from_pretrained(engine, cfg))
     if resume_wanted(cfg.ckpt.resume):  # asked for, or the elastic agent restarted the group
         found = latest_valid_checkpoint(ckpt_root, warn=log.log_event if rank == 0 else (lambda _m: None))
         if found is not None:

@@ -162,13 +162,18 @@ class StageModule(nn.Module):
         self.layer_ids = list(blocks)
         object.__setattr__(self, "_model", model)  # not a child: its other modules stay on meta
         self.cfg, self.drop, self.loss_fn, self.pos_emb = model.cfg, model.drop, model.loss_fn, None
+        self.classifies = getattr(model, "classifies", False)
         if self.is_first or (self.is_last and model.cfg.tie_embeddings):
             self.tok_emb = model.tok_emb
-        if self.is_first and model.pos_emb is not None:
-            self.pos_emb = model.pos_emb
+        if self.is_first:
+            for name in FIRST_STAGE_EXTRAS:  # the embedding side's other modules (bert: token types, norm)
+                if getattr(model, name, None) is not None:
+                    setattr(self, name, getattr(model, name))
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
         if self.is_last:
             self.norm_f, self.lm_head = model.norm_f, model.lm_head
+            if hasattr(model, "mlm_dense"):  # bert's masked-LM transform
+                self.mlm_dense = model.mlm_dense
         if model.rope is not None and len(blocks):
             self.rope = model.rope
 
@@ -189,6 +194,10 @@ class StageModule(nn.Module):
         if self._model.cfg.tie_embeddings and (self.is_first or self.is_last) and self.n_stages > 1:
             return self.tok_emb.weight
         return None
+
+
+FIRST_STAGE_EXTRAS = ("pos_emb", "type_emb", "emb_norm")
+"""Modules of the model's embedding side besides the token table, held by the first stage when they exist."""
 
 
 def build_stage(cfg: ModelConfig, stage: int, n_stages: int, blocks: range, seed: int = 0,

@@ -1,0 +1,152 @@
+"""Our model fields <-> a ``transformers`` ``config.json``, for the architectures we can map exactly.
+
+Pure Python (no torch), so :mod:`shardwise.config_resolve` can read an ``hf:PATH`` directory's shape
+before any worker starts.
+
+* ``gpt2`` <-> ``GPT2LMHeadModel`` (model_type "gpt2"): our GPT-2 flavour is the GPT-2 of Radford et al.
+  2019 with the tanh GELU, i.e. ``activation_function = "gelu_new"``.
+* ``llama`` <-> ``LlamaForCausalLM`` (model_type "llama"): RMSNorm, SwiGLU, rotary positions in the
+  rotate-half layout (the layout of the ``transformers`` Llama checkpoints), grouped-query attention,
+  no biases.
+* ``bert`` <-> ``BertForMaskedLM`` (model_type "bert"): post-norm encoder, exact GELU (``hidden_act = "gelu"``),
+  absolute positions, two token types, the masked-LM head tied to the word embeddings; with
+  ``model.n_classes`` <-> ``BertForSequenceClassification`` (pooler and classifier instead of the head).
+
+Anything else (another ``model_type``, rope scaling, biases in Llama, another activation) is refused with
+one line naming the key, its value and what we accept -- a silently different model would be worse.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+HF_PREFIX = "hf:"
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM"}
+"""Our flavour -> the ``transformers`` class an exported directory is loaded with."""
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+"""The tanh approximation of GELU under its two ``transformers`` names (our GeluMLP)."""
+
+
+class HFError(ValueError):
+    """An HF directory we cannot map: the message is one line naming the file, key and value."""
+
+
+def hf_path(init_from: str) -> Path:
+    """The directory of ``model.init_from = "hf:PATH"``."""
+    if not init_from.startswith(HF_PREFIX):
+        raise HFError("not a source we read; use 'hf:PATH' (a transformers model directory)")
+    return Path(init_from[len(HF_PREFIX):]).expanduser()
+
+
+def read_hf_config(directory: Path) -> dict[str, Any]:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise HFError(f"{directory} is not a transformers model directory (no config.json)")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise HFError(f"{path} is not valid JSON: {e}") from None
+
+
+def model_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """Our ``model.*`` fields for a ``transformers`` config (HFError for one we cannot map exactly)."""
+    kind = hf.get("model_type")
+    if kind == "gpt2":
+        return _gpt2_fields(hf, where)
+    if kind == "llama":
+        return _llama_fields(hf, where)
+    if kind == "bert":
+        return _bert_fields(hf, where)
+    archs = hf.get("architectures")
+    raise HFError(f"{where}: model_type={kind!r} (architectures {archs}) is not supported; "
+                  f"use a {' / '.join(ARCHITECTURES.values())} directory (model_type 'gpt2', 'llama' or 'bert')")
+
+
+def _require(hf: dict, key: str, ok: bool, valid: str, where: str) -> None:
+    if not ok:
+        raise HFError(f"{where}: {key}={hf.get(key)!r} is not supported; {valid}")
+
+
+def _gpt2_fields(hf: dict, where: str) -> dict[str, Any]:
+    act = hf.get("activation_function", "gelu_new")
+    _require(hf, "activation_function", act in GPT2_ACTIVATIONS, f"use one of {GPT2_ACTIVATIONS}", where)
+    _require(hf, "scale_attn_weights", hf.get("scale_attn_weights", True), "use true", where)
+    _require(hf, "scale_attn_by_inverse_layer_idx", not hf.get("scale_attn_by_inverse_layer_idx", False),
+             "use false", where)
+    d = hf["n_embd"]
+    return dict(flavor="gpt2", n_layers=hf["n_layer"], d_model=d, n_heads=hf["n_head"], n_kv_heads=hf["n_head"],
+                d_ff=hf.get("n_inner") or 4 * d, vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
+                norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+                tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+
+
+def rope_theta_of(hf: dict, where: str = "config.json") -> float:
+    """The rotary base: ``rope_theta`` (transformers 4) or ``rope_parameters.rope_theta`` (transformers 5);
+    any rope scaling is refused (our rotary embedding has none)."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    for key, block in (("rope_parameters", params), ("rope_scaling", scaling)):
+        kind = block.get("rope_type", block.get("type", "default"))
+        if kind != "default":
+            raise HFError(f"{where}: {key}.rope_type={kind!r} is not supported; only 'default' rotary embeddings")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _llama_fields(hf: dict, where: str) -> dict[str, Any]:
+    for key in ("attention_bias", "mlp_bias"):
+        _require(hf, key, not hf.get(key, False), "use false (our llama flavour has no biases)", where)
+    _require(hf, "hidden_act", hf.get("hidden_act", "silu") == "silu", "use 'silu'", where)
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or d // heads
+    _require(hf, "head_dim", head_dim * heads == d, f"use hidden_size / num_attention_heads = {d // heads}", where)
+    return dict(flavor="llama", n_layers=hf["num_hidden_layers"], d_model=d, n_heads=heads,
+                n_kv_heads=hf.get("num_key_value_heads") or heads, d_ff=hf["intermediate_size"],
+                vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
+                norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta_of(hf, where),
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def _bert_fields(hf: dict, where: str) -> dict[str, Any]:
+    _require(hf, "hidden_act", hf.get("hidden_act", "gelu") == "gelu", "use 'gelu' (the exact GELU)", where)
+    _require(hf, "type_vocab_size", hf.get("type_vocab_size", 2) == 2, "use 2", where)
+    _require(hf, "position_embedding_type", hf.get("position_embedding_type", "absolute") == "absolute",
+             "use 'absolute'", where)
+    classifier = "BertForSequenceClassification" in (hf.get("architectures") or [])
+    n_classes = len(hf.get("id2label") or {}) or hf.get("num_labels", 2) if classifier else 0
+    return dict(flavor="bert", n_classes=n_classes, n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
+                n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_attention_heads"], d_ff=hf["intermediate_size"],
+                vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
+                norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
+                tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+
+
+def hf_config(m, eos_id: int | None = None, bos_id: int | None = None) -> dict[str, Any]:
+    """The ``config.json`` of a model with our resolved fields ``m`` (a ModelConfig)."""
+    common = {"architectures": [ARCHITECTURES[m.flavor]], "model_type": m.flavor, "vocab_size": m.vocab_size,
+              "tie_word_embeddings": bool(m.tie_embeddings), "torch_dtype": "float32",
+              "bos_token_id": bos_id if bos_id is not None else eos_id, "eos_token_id": eos_id}
+    if m.flavor == "gpt2":
+        return {**common, "n_layer": m.n_layers, "n_embd": m.d_model, "n_head": m.n_heads, "n_inner": m.d_ff,
+                "n_positions": m.max_seq_len, "n_ctx": m.max_seq_len, "layer_norm_epsilon": m.norm_eps,
+                "activation_function": "gelu_new", "resid_pdrop": m.dropout, "embd_pdrop": m.dropout,
+                "attn_pdrop": m.dropout, "scale_attn_weights": True, "use_cache": True}
+    if m.flavor == "llama":
+        return {**common, "num_hidden_layers": m.n_layers, "hidden_size": m.d_model,
+                "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
+                "head_dim": m.d_model // m.n_heads, "intermediate_size": m.d_ff,
+                "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
+                "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}, "hidden_act": "silu",
+                "attention_bias": False, "mlp_bias": False, "attention_dropout": m.dropout, "use_cache": True}
+    if m.flavor == "bert":
+        if m.n_classes:  # the [CLS] classifier instead of the masked-LM head
+            common = {**common, "architectures": ["BertForSequenceClassification"],
+                      "id2label": {str(i): f"LABEL_{i}" for i in range(m.n_classes)},
+                      "label2id": {f"LABEL_{i}": i for i in range(m.n_classes)}, "classifier_dropout": None}
+        return {**common, "num_hidden_layers": m.n_layers, "hidden_size": m.d_model,
+                "num_attention_heads": m.n_heads, "intermediate_size": m.d_ff, "hidden_act": "gelu",
+                "max_position_embeddings": m.max_seq_len, "type_vocab_size": 2, "layer_norm_eps": m.norm_eps,
+                "hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": m.dropout,
+                "position_embedding_type": "absolute", "pad_token_id": None, "is_decoder": False}
+    raise HFError(f"model.flavor={m.flavor!r} has no transformers export; use one of {tuple(ARCHITECTURES)}")

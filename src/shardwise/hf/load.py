@@ -1,0 +1,76 @@
+"""Read a ``transformers`` directory (config.json + safetensors) as our single-process model state.
+
+Weights are read with safetensors only (``model.safetensors``, or the shards listed in
+``model.safetensors.index.json``); pickled ``pytorch_model.bin`` files are refused rather than unpickled.
+Every tensor's shape is checked against what ``config.json`` implies before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shardwise.hf.config_map import HFError, model_fields, read_hf_config
+from shardwise.hf.weights import check_shapes, from_hf
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def weight_files(directory: Path) -> list[Path]:
+    directory = Path(directory)
+    if (directory / SINGLE_FILE).is_file():
+        return [directory / SINGLE_FILE]
+    if (directory / INDEX_FILE).is_file():
+        index = json.loads((directory / INDEX_FILE).read_text())
+        return [directory / name for name in sorted(set(index["weight_map"].values()))]
+    found = "pytorch_model.bin" if (directory / "pytorch_model.bin").exists() else "none"
+    raise HFError(f"{directory} holds no {SINGLE_FILE} or {INDEX_FILE} (found: {found}); pickled weights are not "
+                  "read: convert them with transformers' save_pretrained(..., safe_serialization=True)")
+
+
+def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weight_files(directory):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def tensor_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the safetensors headers (no data is read)."""
+    shapes = {}
+    for path in weight_files(directory):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def check_directory(directory: Path, m) -> None:
+    """HFError unless ``directory``'s weights are those of a model with fields ``m`` (headers only: cheap enough
+    to run when the config is validated, before any worker starts)."""
+    check_model_fields(directory, m)
+    check_shapes(tensor_shapes(directory), m, str(directory))
+
+
+def check_model_fields(directory: Path, m) -> None:
+    """HFError when the resolved model fields ``m`` differ from the directory's config.json."""
+    fields = model_fields(read_hf_config(directory), f"{directory}/config.json")
+    for key, value in fields.items():
+        if getattr(m, key) != value:
+            raise HFError(f"model.{key}={getattr(m, key)!r} but {directory}/config.json gives {value!r}")
+
+
+def load_hf_state(directory: Path, m, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Our model state (keys of ``Transformer(m).state_dict()``, ``dtype``) from a transformers directory whose
+    config.json has the fields ``m``; HFError naming the tensor and both shapes on a mismatch."""
+    directory = Path(directory)
+    check_model_fields(directory, m)
+    hf = read_hf_tensors(directory)
+    check_shapes({k: tuple(v.shape) for k, v in hf.items()}, m, str(directory))
+    return {k: v.to(dtype) for k, v in from_hf(hf, m).items()}
