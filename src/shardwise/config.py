@@ -92,6 +92,20 @@ class ModelConfig:
     """Share token embedding and output head; default True for gpt2, False for llama."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation (GPT-2 scheme)."""
+    n_experts: int | None = None
+    """Routed experts per mixture-of-experts block (shardwise.model.moe); 0 = dense; default the preset's (0)."""
+    moe_top_k: int = 2
+    """With n_experts > 0: experts each token is routed to (1..n_experts)."""
+    moe_every: int = 1
+    """With n_experts > 0: every k-th block is MoE (the last of each run of k; 1 = every block)."""
+    moe_shared: int = 0
+    """With n_experts > 0: shared experts every token passes through (DeepSeekMoE), one MLP of moe_shared*d_ff."""
+    moe_capacity_factor: float = 0.0
+    """With n_experts > 0: expert capacity ceil(cf*k*tokens/E) per forward, overflow dropped; 0 = dropless."""
+    moe_aux_coeff: float = 0.01
+    """With n_experts > 0: weight of the Switch load-balancing loss E*sum f_i P_i added to the training loss."""
+    moe_z_coeff: float = 0.001
+    """With n_experts > 0: weight of the ST-MoE router z-loss added to the training loss."""
 
 
 @dataclass
@@ -180,7 +194,8 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel size (not implemented yet: must be 1)."""
     ep: int = 1
-    """Expert-parallel size (not implemented yet: must be 1)."""
+    """Expert-parallel size (shardwise.parallel.expert): experts split over runs of ep data-parallel ranks;
+    must divide model.n_experts and parallel.dp."""
     zero: int = 0
     """ZeRO stage (Rajbhandari et al. 2020): 0 = plain data parallel, 1 = shard optimizer states,
     2 = also gradients, 3 = also parameters (shardwise.parallel.zero)."""

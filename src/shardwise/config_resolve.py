@@ -38,6 +38,7 @@ def resolve_config(cfg: Config, world_size: int | None = None, tokenizer_vocab: 
     _resolve_batch(cfg.train, cfg.parallel.dp)
     _resolve_pipeline(cfg)
     _resolve_tensor_parallel(cfg)
+    _resolve_experts(cfg)
     _validate_train(cfg.train)
     _validate_misc(cfg)
     _refuse_unused(cfg)
@@ -113,6 +114,22 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
+    _resolve_moe(m)
+
+
+def _resolve_moe(m: ModelConfig) -> None:
+    """The mixture-of-experts fields (shardwise.model.moe): sizes and coefficients in range."""
+    if m.n_experts is None:
+        m.n_experts = 0
+    _positive("model.n_experts", m.n_experts, allow_zero=True)
+    if m.n_experts and not 1 <= m.moe_top_k <= m.n_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be in 1..model.n_experts={m.n_experts}")
+    _positive("model.moe_every", m.moe_every)
+    if m.n_experts and m.moe_every > m.n_layers:
+        raise ConfigError(f"model.moe_every={m.moe_every} exceeds model.n_layers={m.n_layers}: no block would be "
+                          f"MoE; use 1..{m.n_layers}")
+    for key in ("moe_shared", "moe_capacity_factor", "moe_aux_coeff", "moe_z_coeff"):
+        _positive(f"model.{key}", getattr(m, key), allow_zero=True)
 
 
 def _resolve_data(cfg: Config) -> None:
@@ -181,9 +198,8 @@ def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
             if world % model_parallel == 0
             else f"parallel.dp*tp*pp*cp={p.dp * model_parallel} does not match the world size {world}"
         )
-    for axis, name in (("cp", "context"), ("ep", "expert")):
-        if getattr(p, axis) != 1:
-            raise ConfigError(f"parallel.{axis}={getattr(p, axis)}: {name} parallelism is not implemented yet; use 1")
+    if p.cp != 1:
+        raise ConfigError(f"parallel.cp={p.cp}: context parallelism is not implemented yet; use 1")
     if p.zero not in CHOICES["parallel.zero"]:
         raise ConfigError(f"parallel.zero={p.zero}: use 0 (off), 1, 2 or 3")
     if p.offload not in CHOICES["parallel.offload"]:
@@ -237,6 +253,29 @@ def _resolve_tensor_parallel(cfg: Config) -> None:
     if p.sequence_parallel and cfg.data.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel=true needs data.seq_len={cfg.data.seq_len} divisible by "
                           f"parallel.tp={p.tp}; use a multiple of {p.tp}")
+
+
+def _resolve_experts(cfg: Config) -> None:
+    """Expert parallelism (shardwise.parallel.expert) splits model.n_experts over runs of parallel.ep
+    data-parallel ranks; what MoE does not compose with yet is refused here, one line each."""
+    p, m = cfg.parallel, cfg.model
+    if p.ep > 1 and not m.n_experts:
+        raise ConfigError(f"parallel.ep={p.ep} needs a mixture-of-experts model; set model.n_experts "
+                          "(a multiple of parallel.ep) or parallel.ep=1")
+    if m.n_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}; "
+                          f"use one of {_divisors(m.n_experts)}")
+    if p.dp % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}; use one of {_divisors(p.dp)}")
+    if m.n_experts and p.tp > 1:
+        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.tp={p.tp}: MoE blocks are not tensor-"
+                          "parallel yet; use parallel.tp=1")
+    if m.n_experts and p.pp > 1:
+        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.pp={p.pp}: the auxiliary router losses "
+                          "are added at the last stage only (not composed yet); use parallel.pp=1")
+    if p.ep > 1 and p.zero:
+        raise ConfigError(f"parallel.zero={p.zero} with parallel.ep={p.ep}: ZeRO does not shard expert weights "
+                          "over their own replicas yet; use parallel.zero=0 (or parallel.ep=1)")
 
 
 def _resolve_batch(t: TrainConfig, dp: int) -> None:
@@ -381,6 +420,9 @@ def _refuse_unused(cfg: Config) -> None:
     rules = [  # (dotted field, read in this layout?, why not and what to do instead)
         ("model.rope_theta", m.flavor == "llama", f"sets rotary embeddings, which model.flavor={m.flavor!r} "
          "does not use; use model.flavor='llama' or remove it"),
+        *((f"model.{k}", m.n_experts > 0, "configures mixture-of-experts blocks, but model.n_experts=0; set "
+           "model.n_experts or remove it") for k in ("moe_top_k", "moe_every", "moe_shared", "moe_capacity_factor",
+                                                     "moe_aux_coeff", "moe_z_coeff")),
         ("data.format", d.source != "stdlib", "describes a data.source file or directory, but data.source='stdlib' "
          "is the standard library's .py files; give data.source a path or remove it"),
         ("data.text_field", _source_kind(d) not in ("stdlib", "text"), f"names a jsonl field or a parquet / hf "

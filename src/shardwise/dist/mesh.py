@@ -28,8 +28,10 @@ import torch.distributed as dist
 AXES = ("pp", "dp", "cp", "tp")
 """The axes of the device grid, slowest-varying first."""
 
-ALL_AXES = (*AXES, "ep")
-"""Every axis a ``Mesh`` answers for; ``ep`` subdivides ``dp * cp``."""
+ALL_AXES = (*AXES, "ep", "edp")
+"""Every axis a ``Mesh`` answers for; ``ep`` subdivides ``dp * cp``; ``edp`` (expert data parallel) is the
+complement of ``ep`` in ``dp * cp``: the ranks at the same position of their ep groups, which hold the same
+experts (their gradients are reduced over it)."""
 
 
 # ---- the default process group ---------------------------------------------------------
@@ -168,7 +170,7 @@ class ParallelDims:
 
     def validate(self) -> ParallelDims:
         """Raise ``ValueError`` naming the offending field unless the sizes form a layout."""
-        for axis in (*ALL_AXES, "world_size"):
+        for axis in (*AXES, "ep", "world_size"):
             value = getattr(self, axis)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 name = "world size" if axis == "world_size" else f"parallel.{axis}"
@@ -189,7 +191,7 @@ class ParallelDims:
 
     def size(self, axis: str) -> int:
         _check_axis(axis)
-        return getattr(self, axis)
+        return self.dp * self.cp // self.ep if axis == "edp" else getattr(self, axis)
 
     def rank_grid(self) -> torch.Tensor:
         """Global ranks laid out as a (pp, dp, cp, tp) grid (tp fastest)."""
@@ -205,8 +207,10 @@ class ParallelDims:
         _check_axis(axis)
         self.validate()
         grid = self.rank_grid()
-        if axis == "ep":
+        if axis in ("ep", "edp"):
             grid = grid.reshape(self.pp, self.dp * self.cp // self.ep, self.ep, self.tp)
+            if axis == "edp":
+                return grid.permute(0, 3, 2, 1).reshape(-1, self.dp * self.cp // self.ep).tolist()
             return grid.permute(0, 1, 3, 2).reshape(-1, self.ep).tolist()
         d = AXES.index(axis)
         return grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
@@ -241,10 +245,11 @@ class ParallelDims:
         mine = {axis: next(g for g in self.groups(axis) if me in g) for axis in ALL_AXES}
         device_mesh = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=AXES)
         groups = {axis: device_mesh.get_group(axis) for axis in AXES}
-        for ranks in self.groups("ep"):  # every rank creates every group, in the same order
-            g = dist.new_group(ranks)
-            if me in ranks:
-                groups["ep"] = g
+        for axis in ("ep", "edp"):
+            for ranks in self.groups(axis):  # every rank creates every group, in the same order
+                g = dist.new_group(ranks)
+                if me in ranks:
+                    groups[axis] = g
         for axis in ALL_AXES:  # DeviceMesh must agree with our layout arithmetic
             got = dist.get_process_group_ranks(groups[axis])
             if got != mine[axis]:

@@ -6,7 +6,9 @@ for Llama does the same; DESIGN.md "How layouts compose"):
 1. tensor / sequence parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022 §4.2.2): the block's
    Linears and the embeddings become their parallel forms over the ``tp`` axis
    (:func:`shardwise.parallel.plan.apply_tensor_parallel`);
-2. context parallelism and experts plug in here (not implemented yet; refused by the config);
+2. expert parallelism over the ``ep`` axis (GShard, Lepikhin et al. 2021): each MoE block keeps its
+   share of the experts and reaches them by all-to-all (:func:`shardwise.parallel.expert.apply_expert_parallel`);
+   context parallelism will plug in here too (not implemented yet; refused by the config);
 3. activation recomputation, full or selective (:mod:`shardwise.train.recompute`), around what the
    previous steps produced;
 
@@ -21,16 +23,20 @@ from torch import nn
 
 from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import Mesh
+from shardwise.parallel.expert import all_to_all_algorithm, apply_expert_parallel
 from shardwise.parallel.plan import apply_tensor_parallel
 from shardwise.train.recompute import apply_recompute
 
 
 def parallelize(part: nn.Module, mesh: Mesh, cfg, ledger: CommLedger) -> nn.Module:
     """Rewrite ``part`` (a :class:`~shardwise.model.Transformer` or a pipeline stage of one, holding real
-    values) in place for this rank: TP/SP -> (CP, EP) -> recompute. Collectives record into
+    values) in place for this rank: TP/SP -> EP (CP to come) -> recompute. Collectives record into
     ``ledger[axis]``. Returns ``part``."""
     if mesh.size("tp") > 1:
         apply_tensor_parallel(part, mesh.group("tp"), ledger["tp"],
                               sequence_parallel=cfg.parallel.sequence_parallel, cfg=cfg.model)
+    if mesh.size("ep") > 1:
+        apply_expert_parallel(part, mesh.group("ep"), ledger["ep"], all_to_all_algorithm(cfg.comm),
+                              cfg.comm.timeout_s or None)
     apply_recompute(part, cfg.train.recompute, cfg.train.recompute_every)
     return part

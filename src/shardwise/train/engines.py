@@ -32,6 +32,7 @@ from shardwise.dist.comm.compress import gradient_all_reduce
 from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import Mesh
 from shardwise.model import Transformer
+from shardwise.model.moe import pop_moe_metrics
 from shardwise.model.transformer import initial_value
 from shardwise.parallel.data import DataParallel
 from shardwise.parallel.grad_norm import clip_grad_norm, parameter_pieces
@@ -39,8 +40,8 @@ from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces, zero_param_groups
 from shardwise.parallel.zero.meta import materialize_buffers
+from shardwise.train import expert_state, tp_state
 from shardwise.train import memory as train_memory
-from shardwise.train import tp_state
 from shardwise.train.checkpoint import CheckpointError
 from shardwise.train.optim import build_optimizer
 from shardwise.train.precision import DynamicLossScaler, autocast_context
@@ -76,6 +77,7 @@ class DataParallelEngine:
         """Every collective of this rank's techniques, counted where it is called, by mesh axis."""
         torch.manual_seed(cfg.train.seed)
         self.tp_size, self.tp_rank = mesh.size("tp"), mesh.rank("tp")
+        self.ep_group = mesh.group("ep") if mesh.size("ep") > 1 else None  # experts split: norm and state
         self.module = parallelize(self._build_module(), mesh, cfg, self.ledger)
         self.wrapper = self._wrap(run_dir)
         self.optimizer = self._optimizer()
@@ -88,14 +90,16 @@ class DataParallelEngine:
 
     def _wrap(self, run_dir: Path):
         return DataParallel(self.module, group=self.group, bucket_mb=self.cfg.parallel.bucket_mb,
-                            all_reduce_fn=gradient_all_reduce(self.cfg.comm, self.ledger["dp"]))
+                            all_reduce_fn=gradient_all_reduce(self.cfg.comm, self.ledger["dp"]),
+                            expert_group=self.mesh.group("edp") if self.ep_group is not None else None)
 
     def _optimizer(self):
         return build_optimizer(self.module, self.cfg.train)
 
     def describe(self) -> str:
         tp = f" x tp={self.tp_size}{' (sequence parallel)' if self.cfg.parallel.sequence_parallel else ''}"
-        return f"dp={self.mesh.dp_size}" + (tp if self.tp_size > 1 else "")
+        ep = f" (ep={self.mesh.size('ep')})" if self.ep_group is not None else ""
+        return f"dp={self.mesh.dp_size}{ep}" + (tp if self.tp_size > 1 else "")
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str,
                          scaler: DynamicLossScaler | None) -> torch.Tensor:
@@ -112,9 +116,10 @@ class DataParallelEngine:
 
     def unscale_and_clip(self, scaler: DynamicLossScaler | None, max_norm: float) -> tuple[bool, float]:
         tp_group = self.mesh.group("tp") if self.tp_size > 1 else None  # other pieces: agree, norm over all
-        found_inf = scaler.unscale_(self.module.parameters(), group=tp_group) if scaler else False
+        agree = tp_group if self.ep_group is None else self.ep_group
+        found_inf = scaler.unscale_(self.module.parameters(), group=agree) if scaler else False
         return found_inf, clip_grad_norm(parameter_pieces(self.module.parameters()), max_norm, tp_group=tp_group,
-                                         device=self.device)
+                                         device=self.device, ep_group=self.ep_group)
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, precision: str) -> torch.Tensor:
         with autocast_context(precision, self.device.type):
@@ -128,7 +133,7 @@ class DataParallelEngine:
         return self.ledger.pop_metrics()
 
     def step_metrics(self) -> dict[str, float]:
-        return {}
+        return pop_moe_metrics(self.module)
 
     def memory_bytes(self) -> dict[str, int]:
         return train_memory.model_state_bytes(self.wrapper, self.optimizer)
@@ -139,9 +144,10 @@ class DataParallelEngine:
         owns (every tensor whole without tensor parallelism), the others nothing."""
         state = self.optimizer.state_dict()
         groups = state["param_groups"] if dist.get_rank() == 0 else None
-        if self.mesh.dp_rank != 0:
-            return [], groups
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.mesh.dp_rank != 0:  # with experts split over ep: the first ep group writes its experts
+            ep_writer = self.ep_group is not None and self.mesh.rank("edp") == 0
+            return (expert_state.expert_pieces(self.module, params, state["state"]) if ep_writer else []), groups
         return (tp_state.model_pieces(self.module, self.tp_rank)
                 + tp_state.optimizer_pieces(params, state["state"], self.tp_rank)), groups
 
@@ -158,6 +164,8 @@ class DataParallelEngine:
         """The whole model's weights on global rank 0 (a collective for sharded layouts)."""
         if self.tp_size > 1:
             return tp_state.gather_full_state(self.module, self.tp_rank, active=self.mesh.dp_rank == 0)
+        if self.ep_group is not None:
+            return expert_state.gather_full_state(self.module, self.mesh.dp_rank, self.mesh.rank("edp"))
         return self.module.state_dict()
 
 
