@@ -32,3 +32,41 @@ def reference(tmp_path_factory, cache_dir):
 def test_expert_parallel_equals_one_process(reference, tmp_path, cache_dir, name, nproc, overrides):
     result = run(tmp_path, cache_dir, name, nproc, **MOE, **overrides)
     assert_same_training(result, reference[nproc], atol=1e-5)
+
+
+def test_capacity_drops_are_the_same_on_one_rank_and_ep2(tmp_path, cache_dir):
+    """With a capacity factor each rank drops the overflow of its own micro-batch before dispatch, exactly as
+    the single process drops it from the same micro-batch: the same tokens are dropped, the same model trains."""
+    cf = {**MOE, "model.moe_capacity_factor": 1.0}
+    ref = run(tmp_path, cache_dir, "cf-ref", 1, **cf, **{"train.micro_batch": 4})
+    ep = run(tmp_path, cache_dir, "cf-ep2", 2, **cf, **{"parallel.ep": 2})
+    assert_same_training(ep, ref, atol=1e-5)
+    dropped = [m["moe_dropped_frac"] for m in read_metrics(tmp_path / "cf-ep2")]
+    assert all(0 < d < 1 for d in dropped), dropped
+    assert dropped == pytest.approx([m["moe_dropped_frac"] for m in read_metrics(tmp_path / "cf-ref")], abs=1e-9)
+    assert len(dropped) == 4
+
+
+def test_llama_experts_with_shared_expert_ep2(tmp_path, cache_dir):
+    """SwiGLU experts, a shared expert and MoE on every other block, at ep 2."""
+    llama = {"model.preset": "tiny-llama", "model.n_experts": 4, "model.moe_shared": 1, "model.moe_every": 2,
+             "train.steps": 3}
+    ref = run(tmp_path, cache_dir, "llama-ref", 1, **llama, **{"train.micro_batch": 4})
+    ep = run(tmp_path, cache_dir, "llama-ep2", 2, **llama, **{"parallel.ep": 2})
+    assert_same_training(ep, ref, atol=1e-5)
+
+
+def test_ep2_checkpoint_resumes_on_one_process(reference, tmp_path, cache_dir):
+    """Checkpoints hold the single-process state: an ep-2 run stopped after 2 steps goes on in one process."""
+    ckpt = {**MOE, "ckpt.every": 2}
+    run(tmp_path, cache_dir, "switch", 2, stop_after=2, **ckpt, **{"parallel.ep": 2})
+    resumed = run(tmp_path, cache_dir, "switch", 1, **ckpt, **{"train.micro_batch": 4, "ckpt.resume": "true"})
+    losses, state = reference[2]
+    assert_same_training(resumed, (losses[2:], state), atol=1e-5)
+
+
+def read_metrics(run_dir):
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "moe_dropped_frac" in r]

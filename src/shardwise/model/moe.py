@@ -246,25 +246,38 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
     return torch.stack(losses).sum() if losses else None
 
 
-def pop_moe_metrics(model: nn.Module) -> dict[str, float]:
-    """This step's router metrics over every MoE block of ``model`` (this rank's tokens), and reset:
-    ``moe_aux_loss`` / ``moe_z_loss`` (unweighted, mean over blocks and micro-batches), ``moe_tokens_per_expert_
-    {min,max,mean}`` (kept slots per expert and block, summed over the step's micro-batches), and
-    ``moe_dropped_frac`` (dropped / routed slots). Empty without MoE blocks."""
+def pop_moe_totals(model: nn.Module) -> torch.Tensor | None:
+    """This step's router sums over every MoE block of ``model`` as one fp64 vector (summable over ranks),
+    and reset: kept slots per (block, expert), then routed slots, dropped slots, the unweighted aux and z
+    losses summed over forwards, and the number of forwards. ``None`` without MoE blocks."""
     layers = moe_layers(model)
-    if not layers or not any(m.stats.calls for m in layers):
-        return {}
-    tokens = torch.stack([m.stats.tokens for m in layers])
-    calls = sum(m.stats.calls for m in layers)
-    slots = sum(m.stats.slots for m in layers)
-    totals = [m.stats.totals() for m in layers if m.stats.calls]
-    out = {
-        "moe_aux_loss": sum(a for a, _ in totals) / calls,
-        "moe_z_loss": sum(z for _, z in totals) / calls,
-        "moe_tokens_per_expert_min": float(tokens.min()), "moe_tokens_per_expert_max": float(tokens.max()),
-        "moe_tokens_per_expert_mean": float(tokens.mean()),
-        "moe_dropped_frac": sum(m.stats.dropped for m in layers) / max(slots, 1.0),
-    }
+    if not layers:
+        return None
+    aux = sum((m.stats.totals()[0] for m in layers if m.stats.calls), 0.0)
+    z = sum((m.stats.totals()[1] for m in layers if m.stats.calls), 0.0)
+    tail = [sum(m.stats.slots for m in layers), sum(m.stats.dropped for m in layers), aux, z,
+            sum(m.stats.calls for m in layers)]
+    out = torch.cat([torch.cat([m.stats.tokens for m in layers]), torch.tensor(tail, dtype=torch.float64)])
     for m in layers:
         m.stats.reset()
     return out
+
+
+def moe_metrics(totals: torch.Tensor) -> dict[str, float]:
+    """Metrics from :func:`pop_moe_totals` (possibly summed over data-parallel ranks): ``moe_aux_loss`` /
+    ``moe_z_loss`` (unweighted, mean over blocks and forwards), ``moe_tokens_per_expert_{min,max,mean}``
+    (kept slots per expert and block in the step) and ``moe_dropped_frac`` (dropped / routed slots)."""
+    tokens, (slots, dropped, aux, z, calls) = totals[:-5], totals[-5:].tolist()
+    if not calls:
+        return {}
+    return {
+        "moe_aux_loss": aux / calls, "moe_z_loss": z / calls,
+        "moe_tokens_per_expert_min": float(tokens.min()), "moe_tokens_per_expert_max": float(tokens.max()),
+        "moe_tokens_per_expert_mean": float(tokens.mean()), "moe_dropped_frac": dropped / max(slots, 1.0),
+    }
+
+
+def pop_moe_metrics(model: nn.Module) -> dict[str, float]:
+    """This rank's router metrics of the step (:func:`moe_metrics`), and reset; empty without MoE blocks."""
+    totals = pop_moe_totals(model)
+    return {} if totals is None else moe_metrics(totals)

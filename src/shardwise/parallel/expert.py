@@ -36,7 +36,7 @@ from torch import nn
 
 from shardwise.dist.comm.collectives import all_to_all, all_to_all_v
 from shardwise.dist.comm.counting import CommStats
-from shardwise.model.moe import ExpertLinear, Experts, moe_layers
+from shardwise.model.moe import ExpertLinear, Experts, moe_layers, moe_metrics, pop_moe_totals
 from shardwise.parallel.tensor import TPShard
 
 
@@ -140,3 +140,15 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, stats: Com
 def all_to_all_algorithm(comm_cfg) -> str:
     """``comm.algorithm`` "native" picks the backend's all-to-all; any other value ours ("pairwise")."""
     return "native" if comm_cfg.algorithm == "native" else "pairwise"
+
+
+def step_metrics(model: nn.Module, group: dist.ProcessGroup | None) -> dict[str, float]:
+    """The step's router metrics over the whole global batch: every data-parallel rank's sums (its own
+    tokens) added over ``group`` (a collective where the model has MoE blocks), then
+    :func:`shardwise.model.moe.moe_metrics`."""
+    totals = pop_moe_totals(model)
+    if totals is None:
+        return {}
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(totals, group=group)
+    return moe_metrics(totals)

@@ -32,9 +32,9 @@ from shardwise.dist.comm.compress import gradient_all_reduce
 from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import Mesh
 from shardwise.model import Transformer
-from shardwise.model.moe import pop_moe_metrics
 from shardwise.model.transformer import initial_value
 from shardwise.parallel.data import DataParallel
+from shardwise.parallel.expert import step_metrics as moe_step_metrics
 from shardwise.parallel.grad_norm import clip_grad_norm, parameter_pieces
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
@@ -133,7 +133,7 @@ class DataParallelEngine:
         return self.ledger.pop_metrics()
 
     def step_metrics(self) -> dict[str, float]:
-        return pop_moe_metrics(self.module)
+        return moe_step_metrics(self.module, self.group)
 
     def memory_bytes(self) -> dict[str, int]:
         return train_memory.model_state_bytes(self.wrapper, self.optimizer)
