@@ -274,7 +274,7 @@ def _resolve_experts(cfg: Config) -> None:
         raise ConfigError(f"model.n_experts={m.n_experts} with parallel.pp={p.pp}: the auxiliary router losses "
                           "are added at the last stage only (not composed yet); use parallel.pp=1")
     if p.ep > 1 and p.zero:
-        raise ConfigError(f"parallel.zero={p.zero} with parallel.ep={p.ep}: ZeRO does not shard expert weights "
+        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero={p.zero}: ZeRO does not shard expert weights "
                           "over their own replicas yet; use parallel.zero=0 (or parallel.ep=1)")
 
 
