@@ -60,7 +60,7 @@ class Block(nn.Module):
         self.norm1 = _norm(cfg)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=gpt2, dropout=cfg.dropout, rope=rope)
         self.norm2 = _norm(cfg)
-        if is_moe_layer(layer_id, cfg.n_experts, cfg.moe_every):
+        if is_moe_layer(layer_id, cfg.n_experts or 0, cfg.moe_every):
             self.mlp = MoE(cfg.d_model, cfg.d_ff, cfg.flavor, cfg.n_experts, cfg.moe_top_k, n_shared=cfg.moe_shared,
                            capacity_factor=cfg.moe_capacity_factor, aux_coeff=cfg.moe_aux_coeff,
                            z_coeff=cfg.moe_z_coeff)
