@@ -23,7 +23,8 @@ __all__ = ["GPU_PEAK_FLOPS", "training_flops_per_token", "peak_flops", "measure_
 
 
 def training_flops_per_token(model_cfg: ModelConfig, seq_len: int | None = None) -> float:
-    """6·N + 12·L·d·T for a resolved ``ModelConfig`` (N: the parameters one token uses -- with experts, its top-k) (see :func:`shardwise.plan.flops.flops_per_token`);
+    """6·N + 12·L·d·T for a resolved ``ModelConfig``, N the parameters one token uses (with experts: its
+    top-k) (see :func:`shardwise.plan.flops.flops_per_token`);
     the planner counts the parameters exactly from the config (an untied head once, as the vocabulary
     projection). ``seq_len`` defaults to ``model_cfg.max_seq_len``."""
     spec = ModelSpec(
