@@ -70,3 +70,26 @@ def read_metrics(run_dir):
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "moe_dropped_frac" in r]
+
+
+def test_ep_bytes_are_counted_where_sent(tmp_path, cache_dir):
+    """ep_sent_bytes per step, measured by the counting layer at each all-to-all, against the planner
+    (plan --compare). Per MoE block and micro-batch a rank hands over: the n_experts int64 split sizes, its
+    own micro_batch * seq * top_k routed rows twice (dispatch forward, combine backward) and the R rows its
+    experts received twice (combine forward, dispatch backward). R depends on the routing: the planner
+    predicts its mean over the ep group (R = micro_batch * seq * top_k), so the measured bytes minus the
+    exactly known part are a whole number of received rows, between 0 and ep times the balanced count.
+    The data-parallel all-reduces (dense over dp, experts over their replicas) are predicted exactly."""
+    from shardwise.config import Config
+    from shardwise.plan.compare import measured_for_run, predicted_for_run
+
+    run(tmp_path, cache_dir, "bytes", 4, **{**MOE, "train.steps": 2, "parallel.ep": 2})
+    cfg = Config.load(tmp_path / "bytes" / "config.toml")
+    pred, meas = predicted_for_run(cfg), measured_for_run(tmp_path / "bytes")
+    layers, rows, row_bytes, ep = cfg.model.n_layers, 2 * 32 * 2, 64 * 4, 2
+    known = layers * (8 * 4 + 2 * rows * row_bytes)
+    assert pred["ep_sent_bytes"] == known + layers * 2 * rows * row_bytes  # balanced routing
+    received, rest = divmod(meas["ep_sent_bytes"] - known, 2 * row_bytes)
+    assert rest == 0 and 0 <= received <= layers * ep * rows
+    assert pred["comm_bytes"] - pred["ep_sent_bytes"] == meas["dp_sent_bytes"]
+

@@ -63,14 +63,17 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     units = exact_zero_units(m, lay, p.bucket_mb, p.zero_unit, zero_hpz=p.zero_hpz)
     # DataParallel's buckets carry one "had a gradient" flag per parameter tensor (a pipeline's do not)
     flags = len(model_params(m)) if p.zero == 0 and p.pp == 1 and dp > 1 else 0
-    items = [c for c in comm_items(m, lay, s, states, cluster, act_bytes, units, dp_flags=flags)
-             if c.technique != "pipeline"]
+    # with experts split over ep, their tensors sit in buckets of their own, reduced over the expert replicas
+    ep_flags = sum(".experts." in e.name for e in model_params(m)) if flags and p.ep > 1 else 0
+    items = [c for c in comm_items(m, lay, s, states, cluster, act_bytes, units, dp_flags=flags - ep_flags,
+                                   ep_flags=ep_flags) if c.technique != "pipeline"]
     p2p = pipeline_sent_bytes(m, lay, s)
     tp = tensor_parallel_bytes(items, lay, s, m.d_model, act_bytes) + tp_grad_sync_bytes(m, lay)
     out = {"parameters": float(count_params(m).total), "flops_per_token": flops_per_token(m, s),
            "tp_sent_bytes": tp, "comm_bytes": sum(c.total_payload for c in items if not
                                                   c.technique.startswith("tensor parallel")) + tp + p2p,
            "comm_sent_bytes": sum(c.sent_bytes for c in items) + p2p, "pp_sent_bytes": p2p,
+           "ep_sent_bytes": sum(c.total_payload for c in items if c.technique.startswith("expert parallel")),
            "mem_device_bytes": mem.total()}
     out.update(mem.by_metric())
     for k in MODEL_STATE_METRICS:  # the accountant counts offloaded states too, wherever they live
@@ -152,6 +155,8 @@ def compare_run(run_dir: Path, as_json: bool = False) -> int:
         rows.insert(2, ("pp_sent_bytes", pred["pp_sent_bytes"], meas.get("pp_sent_bytes")))
     if cfg.parallel.tp > 1:
         rows.insert(2, ("tp_sent_bytes", pred["tp_sent_bytes"], meas.get("tp_sent_bytes")))
+    if cfg.parallel.ep > 1:
+        rows.insert(2, ("ep_sent_bytes", pred["ep_sent_bytes"], meas.get("ep_sent_bytes")))
     rows += [(k, pred[k], meas.get(k)) for k in (*MEMORY_METRICS, "mem_total_bytes")]
     rows += [(k, None, meas.get(k)) for k in ("tokens_per_s", "step_time_s", "mfu")]
     rows += [("parameters", pred["parameters"], None), ("flops_per_token", pred["flops_per_token"], None)]
