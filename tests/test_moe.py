@@ -99,3 +99,25 @@ def test_planner_counts_equal_the_built_model():
     over = {"model.preset": "tiny-moe", "model.moe_every": "2", "model.moe_shared": "1", "parallel.nproc": "1"}
     cfg = Config.load(overrides=over).resolve(tokenizer_vocab=257)
     assert count_params(_spec(**over)).total == Transformer(cfg.model).num_parameters()
+
+
+def test_plot_adds_an_expert_load_row(tmp_path):
+    import json
+    import struct
+
+    from shardwise.plot import plot_runs
+
+    for name, moe in (("dense", False), ("moe", True)):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            for step in range(1, 6):
+                rec = {"step": step, "loss": 5.0 / step, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0}
+                if moe:
+                    rec |= {"moe_tokens_per_expert_mean": 32.0, "moe_tokens_per_expert_min": 20.0 + step,
+                            "moe_tokens_per_expert_max": 50.0 - step, "moe_aux_loss": 1.1, "moe_dropped_frac": 0.1}
+                f.write(json.dumps(rec) + "\n")
+    sizes = {}
+    for runs in (["dense"], ["dense", "moe"]):
+        out = plot_runs([tmp_path / r for r in runs], tmp_path / f"{len(runs)}.png")
+        sizes[len(runs)] = struct.unpack(">II", out.read_bytes()[16:24])  # the PNG's width, height
+    assert sizes[1][1] == 800 and sizes[2][1] == 1200, sizes
