@@ -56,10 +56,11 @@ def test_llama_experts_with_shared_expert_ep2(tmp_path, cache_dir):
     assert_same_training(ep, ref, atol=1e-5)
 
 
-def test_ep2_checkpoint_resumes_on_one_process(reference, tmp_path, cache_dir):
+@pytest.mark.parametrize("nproc,overrides", [(2, {}), (4, {"parallel.tp": 2})], ids=["ep2", "ep2-tp2"])
+def test_ep2_checkpoint_resumes_on_one_process(reference, tmp_path, cache_dir, nproc, overrides):
     """Checkpoints hold the single-process state: an ep-2 run stopped after 2 steps goes on in one process."""
     ckpt = {**MOE, "ckpt.every": 2}
-    run(tmp_path, cache_dir, "switch", 2, stop_after=2, **ckpt, **{"parallel.ep": 2})
+    run(tmp_path, cache_dir, "switch", nproc, stop_after=2, **ckpt, **{"parallel.ep": 2, **overrides})
     resumed = run(tmp_path, cache_dir, "switch", 1, **ckpt, **{"train.micro_batch": 4, "ckpt.resume": "true"})
     losses, state = reference[2]
     assert_same_training(resumed, (losses[2:], state), atol=1e-5)
@@ -93,3 +94,10 @@ def test_ep_bytes_are_counted_where_sent(tmp_path, cache_dir):
     assert rest == 0 and 0 <= received <= layers * ep * rows
     assert pred["comm_bytes"] - pred["ep_sent_bytes"] == meas["dp_sent_bytes"]
 
+
+
+def test_ep2_with_tp2_equals_one_process(reference, tmp_path, cache_dir):
+    """4 ranks as tp 2 x dp 2, experts split over ep 2: attention and the head are tensor-parallel, each MoE
+    block is whole on both tp ranks (same tokens, same routing) with its experts split over ep."""
+    result = run(tmp_path, cache_dir, "ep2-tp2", 4, **MOE, **{"parallel.tp": 2, "parallel.ep": 2})
+    assert_same_training(result, reference[2], atol=1e-5)

@@ -267,9 +267,10 @@ def _resolve_experts(cfg: Config) -> None:
                           f"use one of {_divisors(m.n_experts)}")
     if p.dp % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}; use one of {_divisors(p.dp)}")
-    if m.n_experts and p.tp > 1:
-        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.tp={p.tp}: MoE blocks are not tensor-"
-                          "parallel yet; use parallel.tp=1")
+    if m.n_experts and p.sequence_parallel:
+        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.sequence_parallel=true: MoE blocks stay whole "
+                          "on every tensor-parallel rank and would see only their sequence shard (not composed "
+                          "yet); use parallel.sequence_parallel=false")
     if m.n_experts and p.pp > 1:
         raise ConfigError(f"model.n_experts={m.n_experts} with parallel.pp={p.pp}: the auxiliary router losses "
                           "are added at the last stage only (not composed yet); use parallel.pp=1")

@@ -91,7 +91,8 @@ class ExpertParallel(Experts):
             nn.Module.__init__(local)
             for pname, p in child.named_parameters(recurse=False):
                 piece = nn.Parameter(p.detach()[start:stop].clone(), requires_grad=p.requires_grad)
-                piece.ep_shard = TPShard("ep", 0, tuple(p.shape), start, stop)
+                tp = getattr(p, "tp_shard", None)  # with tensor parallelism: a copy on every tp rank
+                piece.ep_shard = TPShard("ep", 0, tuple(p.shape), start, stop, owner=tp is None or tp.owner)
                 setattr(local, pname, piece)
             if not hasattr(local, "bias"):
                 local.bias = None

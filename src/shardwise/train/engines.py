@@ -162,10 +162,10 @@ class DataParallelEngine:
 
     def final_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on global rank 0 (a collective for sharded layouts)."""
+        if self.ep_group is not None:
+            return expert_state.gather_full_state(self.module, self.mesh.dp_rank, self.mesh.rank("edp"), self.tp_rank)
         if self.tp_size > 1:
             return tp_state.gather_full_state(self.module, self.tp_rank, active=self.mesh.dp_rank == 0)
-        if self.ep_group is not None:
-            return expert_state.gather_full_state(self.module, self.mesh.dp_rank, self.mesh.rank("edp"))
         return self.module.state_dict()
 
 

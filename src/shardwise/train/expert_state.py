@@ -26,13 +26,14 @@ def _ep(p: torch.Tensor):
 def expert_pieces(module: nn.Module, params: list[nn.Parameter], optimizer_state: Mapping[int, Mapping]) -> list[Piece]:
     """The pieces of this rank's expert shards only: their rows of the model's stacked tensors and of their
     element-wise optimizer moments (scalars such as the step count are written by data-parallel rank 0)."""
-    infos = {name: _ep(p) for name, p in module.named_parameters(remove_duplicate=False) if _ep(p) is not None}
+    infos = {name: _ep(p) for name, p in module.named_parameters(remove_duplicate=False)
+             if _ep(p) is not None and _ep(p).owner}
     pieces = [pc for key, t in module.state_dict().items() if key in infos
               for pc in slice_pieces(f"model/{key}", t, infos[key])]
     for index, per_param in optimizer_state.items():
         p = params[index]
         info = _ep(p)
-        if info is None:
+        if info is None or not info.owner:
             continue
         for name, value in per_param.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == p.shape:
@@ -40,11 +41,13 @@ def expert_pieces(module: nn.Module, params: list[nn.Parameter], optimizer_state
     return pieces
 
 
-def gather_full_state(module: nn.Module, dp_rank: int, edp_rank: int, dst: int = 0) -> dict[str, torch.Tensor]:
+def gather_full_state(module: nn.Module, dp_rank: int, edp_rank: int, tp_rank: int = 0,
+                      dst: int = 0) -> dict[str, torch.Tensor]:
     """The whole single-process model state on global rank ``dst``: data-parallel rank 0's pieces (dense
-    weights and its experts) and the other experts from the first ep group. A collective over the world."""
+    weights or their tensor-parallel rows, and its experts) and the other experts from the first ep group.
+    A collective over the world."""
     if dp_rank == 0:
-        pieces = model_pieces(module, 0)
+        pieces = model_pieces(module, tp_rank)
     elif edp_rank == 0:
         pieces = expert_pieces(module, [], {})
     else:

@@ -25,10 +25,11 @@ from shardwise.train.sharded import Piece
 
 
 def shard_info(t: torch.Tensor):
-    """The tensor's :class:`TPShard` over tp (``p.tp_shard``) or over ep (``p.ep_shard``, an expert-parallel
-    shard, :mod:`shardwise.parallel.expert`), or ``None`` for a tensor that is whole on this rank."""
-    info = getattr(t, "tp_shard", None)
-    return getattr(t, "ep_shard", None) if info is None else info
+    """The tensor's :class:`TPShard` over ep (``p.ep_shard``, an expert-parallel shard,
+    :mod:`shardwise.parallel.expert`; whole on every tp rank, tp rank 0 its owner) or over tp
+    (``p.tp_shard``), or ``None`` for a tensor that is whole on this rank."""
+    info = getattr(t, "ep_shard", None)
+    return getattr(t, "tp_shard", None) if info is None else info
 
 
 def slice_pieces(key: str, local: torch.Tensor, info) -> list[Piece]:
