@@ -29,6 +29,7 @@ def reference(tmp_path_factory, cache_dir):
     ("ep2-dp4", 4, {"parallel.ep": 2}),
     ("ep2-ours", 2, {"parallel.ep": 2, "comm.algorithm": "ring"}),
     ("zero3-ep1", 2, {"parallel.zero": 3}),  # experts not split: ZeRO-3 shards them like any weight
+    ("ep2-recompute", 2, {"parallel.ep": 2, "train.recompute": "full"}),  # all-to-alls rerun in backward
 ])
 def test_expert_parallel_equals_one_process(reference, tmp_path, cache_dir, name, nproc, overrides):
     result = run(tmp_path, cache_dir, name, nproc, **MOE, **overrides)
