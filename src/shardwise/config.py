@@ -241,7 +241,8 @@ class CommConfig:
     """Data-parallel gradient all-reduce algorithm (ZeRO reduces with the backend's own; only "native"):
     "native" (the backend's own), "auto" (the calibrated cost model picks per bucket size), or one of
     ours: "naive", "star", "ring", "rabenseifner", "recursive_doubling", "tree", "hierarchical", "torus".
-    With compression "int8" / "topk" (an all-to-all and an all-gather): "native" or "ring" (ours)."""
+    With compression "int8" / "topk" (an all-to-all and an all-gather): "native" or "ring" (ours).
+    With parallel.ep > 1 it also picks the experts' all-to-all: "native" the backend's, any other ours (pairwise)."""
     compression: str = "none"
     """Data-parallel gradient compression (ZeRO: parallel.zero_quant_grads): "none", "fp16", "bf16"
     (cast), "int8" (per-chunk absmax, error feedback) or "topk" (sparsification, error feedback)."""
