@@ -103,3 +103,41 @@ def test_ep2_with_tp2_equals_one_process(reference, tmp_path, cache_dir):
     block is whole on both tp ranks (same tokens, same routing) with its experts split over ep."""
     result = run(tmp_path, cache_dir, "ep2-tp2", 4, **MOE, **{"parallel.tp": 2, "parallel.ep": 2})
     assert_same_training(result, reference[2], atol=1e-5)
+
+
+def _experts_on_two_ranks(counts: list[int]):
+    """ExpertParallel over the 2-rank world against the single-device Experts on both ranks' tokens."""
+    import torch
+    import torch.distributed as dist
+
+    from shardwise.model.moe import Experts
+    from shardwise.parallel.expert import ExpertParallel
+
+    torch.manual_seed(0)
+    full = Experts(4, 8, 16, "gpt2")
+    for p in full.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    xs = [torch.randn(sum(counts), 8) for _ in range(2)]  # every rank's tokens, the same everywhere
+    ref = [full(x.requires_grad_(), counts) for x in xs]
+    sum(r.pow(2).sum() for r in ref).backward()
+    ep = ExpertParallel(full, dist.group.WORLD)
+    mine = xs[dist.get_rank()].detach().requires_grad_()
+    y = ep(mine, counts)
+    y.pow(2).sum().backward()
+    torch.testing.assert_close(y, ref[dist.get_rank()].detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mine.grad, xs[dist.get_rank()].grad, atol=1e-5, rtol=1e-5)
+    rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+    for (_, p), (_, q) in zip(ep.named_parameters(), full.named_parameters(), strict=True):
+        if q.grad[rows].abs().sum() == 0:
+            assert p.grad is None or p.grad.abs().sum() == 0
+        else:
+            torch.testing.assert_close(p.grad, q.grad[rows], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("counts", [[3, 1, 2, 2], [5, 3, 0, 0]], ids=["spread", "rank1-idle"])
+def test_dispatch_and_combine_by_all_to_all_equal_one_device(counts):
+    """Outputs, input gradients and expert gradients as the single-device experts give them, also when one
+    rank's experts receive no token at all (its backward all-to-alls must still run, or the peer waits)."""
+    from tests.harness import run_on_ranks
+
+    run_on_ranks(2, _experts_on_two_ranks, counts)

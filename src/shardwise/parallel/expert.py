@@ -109,6 +109,8 @@ class ExpertParallel(Experts):
         arrived = dispatch(x, out_splits, in_splits, self.group, self.algorithm, self.stats, self.timeout_s)
         perm = _expert_major(got)
         y = super().forward(arrived[perm.to(arrived.device)], got.sum(0).tolist())
+        if y.shape[0] == 0:  # no tokens for these experts: stay in the graph, so backward's all-to-alls run here too
+            y = arrived[:0]
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel())
         return dispatch(y[back.to(y.device)], in_splits, out_splits, self.group, self.algorithm, self.stats,
