@@ -95,6 +95,8 @@ def test_ep_bytes_are_counted_where_sent(tmp_path, cache_dir):
     received, rest = divmod(meas["ep_sent_bytes"] - known, 2 * row_bytes)
     assert rest == 0 and 0 <= received <= layers * ep * rows
     assert pred["comm_bytes"] - pred["ep_sent_bytes"] == meas["dp_sent_bytes"]
+    for key in ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes"):  # experts' memory per rank under ep
+        assert pred[key] == meas[key], key
 
 
 
