@@ -246,6 +246,9 @@ class ParallelDims:
         device_mesh = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=AXES)
         groups = {axis: device_mesh.get_group(axis) for axis in AXES}
         for axis in ("ep", "edp"):
+            if axis == "edp" and self.ep == 1 and self.cp == 1:
+                groups["edp"] = groups["dp"]  # the same ranks: no new group
+                continue
             for ranks in self.groups(axis):  # every rank creates every group, in the same order
                 g = dist.new_group(ranks)
                 if me in ranks:
