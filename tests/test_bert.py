@@ -1,6 +1,6 @@
 """The bert flavour in the trainer: masked-LM on data parallel, ZeRO-3, pp 2 and tp 2, classification on data
-parallel, ZeRO-2 and tp 2, each on 2 ranks, train the same model as one process (fp32, 1e-5); the masking is 15 % / 80-10-10
-and the same for every layout; what is not implemented is refused with one line."""
+parallel, ZeRO-2 and tp 2, each on 2 ranks, train the same model as one process (fp32, 1e-5); the masking is
+15 % / 80-10-10 and the same for every layout; what is not implemented is refused with one line."""
 
 from __future__ import annotations
 

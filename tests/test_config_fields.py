@@ -209,7 +209,7 @@ def reads(*files: str, pattern: str = "") -> Reads:
     return Reads(files, pattern)
 
 
-NOT_IMPLEMENTED = {"parallel.ep"}
+NOT_IMPLEMENTED: set[str] = set()
 """Named in the tree for the planner and refused by the trainer until the technique exists."""
 
 PROOFS: dict[str, tuple] = {
@@ -233,6 +233,19 @@ PROOFS: dict[str, tuple] = {
                         Refused({"model.n_classes": 3}, "but train.objective='causal'")),
     "model.init_from": (reads("train/loop.py", "hf/init.py"),
                         Refused({"model.init_from": "gpt2"}, "use 'hf:PATH'")),
+    "model.n_experts": (reads("model/transformer.py"),
+                        Refused({"model.n_experts": 4, "parallel.tp": 2, "parallel.sequence_parallel": True},
+                                "MoE blocks stay whole on every tensor-parallel rank"),
+                        Refused({"model.n_experts": 4, "parallel.pp": 2}, "use parallel.pp=1")),
+    "model.moe_top_k": (reads("model/transformer.py"), Refused({"model.moe_top_k": 1}, "but model.n_experts=0"),
+                        Refused({"model.n_experts": 4, "model.moe_top_k": 5}, "must be in 1..model.n_experts=4")),
+    "model.moe_every": (reads("model/transformer.py"), Refused({"model.moe_every": 2}, "but model.n_experts=0")),
+    "model.moe_shared": (reads("model/transformer.py"), Refused({"model.moe_shared": 1}, "but model.n_experts=0")),
+    "model.moe_capacity_factor": (reads("model/transformer.py"),
+                                  Refused({"model.moe_capacity_factor": 1.25}, "but model.n_experts=0")),
+    "model.moe_aux_coeff": (reads("model/transformer.py"),
+                            Refused({"model.moe_aux_coeff": 0.1}, "but model.n_experts=0")),
+    "model.moe_z_coeff": (reads("model/transformer.py"), Refused({"model.moe_z_coeff": 0.1}, "but model.n_experts=0")),
     "data.source": (reads("data/cache.py"),),
     "data.format": (reads("data/cache.py"), Refused({"data.format": "jsonl"}, "data.source='stdlib'")),
     "data.text_field": (reads("data/cache.py"), Refused({"data.text_field": "body"}, "read as plain text")),
@@ -285,7 +298,13 @@ PROOFS: dict[str, tuple] = {
                               Refused({"parallel.cp_algorithm": "ulysses"}, "but parallel.cp=1")),
     "parallel.cp_balance": (reads("parallel/context/apply.py"),
                             Refused({"parallel.cp_balance": "none"}, "but parallel.cp=1")),
-    "parallel.ep": (Refused({"parallel.ep": 2}, "expert parallelism is not implemented yet"),),
+    "parallel.ep": (reads("parallel/parallelize.py", pattern=r'mesh\.size\("ep"\)'),
+                    Refused({"parallel.ep": 2}, "needs a mixture-of-experts model"),
+                    Refused({"model.n_experts": 4, "parallel.nproc": 4, "parallel.ep": 3}, "does not divide"),
+                    Refused({"model.n_experts": 4, "parallel.nproc": 2, "parallel.ep": 4},
+                            "parallel.ep=4 does not divide parallel.dp=2"),
+                    Refused({"model.n_experts": 4, "parallel.ep": 2, "parallel.zero": 1},
+                            "ZeRO does not shard expert weights")),
     "parallel.zero": (reads("train/engine.py"),),
     "parallel.zero_unit": (reads("train/engine.py"),
                            Refused({"parallel.zero": 2, "parallel.zero_unit": 2}, "set parallel.zero=3")),

@@ -26,7 +26,7 @@ def test_megatron_layout_tp_fastest_pp_slowest():
     assert dims.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert dims.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert dims.groups("cp") == [[r] for r in range(8)]
-    assert dims.coords(6) == {"pp": 1, "dp": 1, "cp": 0, "tp": 0, "ep": 0}
+    assert dims.coords(6) == {"pp": 1, "dp": 1, "cp": 0, "tp": 0, "ep": 0, "edp": 1}
 
 
 def test_context_and_expert_axes():
@@ -36,11 +36,14 @@ def test_context_and_expert_axes():
     # ep splits the flattened (dp, cp) ranks at a fixed tp coordinate.
     assert dims.groups("ep") == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert ParallelDims(dp=4, ep=2).groups("ep") == [[0, 1], [2, 3]]
+    # edp: the ranks at the same place of their ep groups, which hold the same experts.
+    assert ParallelDims(dp=4, ep=2).groups("edp") == [[0, 2], [1, 3]]
+    assert dims.groups("edp") == [[0], [2], [4], [6], [1], [3], [5], [7]]
 
 
 def test_every_rank_in_exactly_one_group_per_axis():
     dims = ParallelDims(pp=2, dp=3, cp=2, tp=2, ep=3)
-    for axis in ("pp", "dp", "cp", "tp", "ep"):
+    for axis in ("pp", "dp", "cp", "tp", "ep", "edp"):
         flat = sorted(r for g in dims.groups(axis) for r in g)
         assert flat == list(range(dims.world_size)), axis
         assert all(len(g) == dims.size(axis) for g in dims.groups(axis))

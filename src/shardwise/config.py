@@ -112,6 +112,20 @@ class ModelConfig:
     """Start from pretrained weights instead of the seeded initialisation: "hf:PATH", a transformers
     directory (GPT2LMHeadModel or LlamaForCausalLM: config.json + safetensors) whose config.json gives the
     model's shape; "" = initialise from train.seed."""
+    n_experts: int | None = None
+    """Routed experts per mixture-of-experts block (shardwise.model.moe); 0 = dense; default the preset's (0)."""
+    moe_top_k: int = 2
+    """With n_experts > 0: experts each token is routed to (1..n_experts)."""
+    moe_every: int = 1
+    """With n_experts > 0: every k-th block is MoE (the last of each run of k; 1 = every block)."""
+    moe_shared: int = 0
+    """With n_experts > 0: shared experts every token passes through (DeepSeekMoE), one MLP of moe_shared*d_ff."""
+    moe_capacity_factor: float = 0.0
+    """With n_experts > 0: expert capacity ceil(cf*k*tokens/E) per forward, overflow dropped; 0 = dropless."""
+    moe_aux_coeff: float = 0.01
+    """With n_experts > 0: weight of the Switch load-balancing loss E*sum f_i P_i added to the training loss."""
+    moe_z_coeff: float = 0.001
+    """With n_experts > 0: weight of the ST-MoE router z-loss added to the training loss."""
 
 
 @dataclass
@@ -220,7 +234,8 @@ class ParallelConfig:
     """With cp > 1: "headtail" (2*cp chunks, rank r holds r and 2cp-1-r: equal causal work) or "none"
     (contiguous)."""
     ep: int = 1
-    """Expert-parallel size (not implemented yet: must be 1)."""
+    """Expert-parallel size (shardwise.parallel.expert): experts split over runs of ep data-parallel ranks;
+    must divide model.n_experts and parallel.dp."""
     zero: int = 0
     """ZeRO stage (Rajbhandari et al. 2020): 0 = plain data parallel, 1 = shard optimizer states,
     2 = also gradients, 3 = also parameters (shardwise.parallel.zero)."""
@@ -271,7 +286,8 @@ class CommConfig:
     """Data-parallel gradient all-reduce algorithm (ZeRO reduces with the backend's own; only "native"):
     "native" (the backend's own), "auto" (the calibrated cost model picks per bucket size), or one of
     ours: "naive", "star", "ring", "rabenseifner", "recursive_doubling", "tree", "hierarchical", "torus".
-    With compression "int8" / "topk" (an all-to-all and an all-gather): "native" or "ring" (ours)."""
+    With compression "int8" / "topk" (an all-to-all and an all-gather): "native" or "ring" (ours).
+    With parallel.ep > 1 it also picks the experts' all-to-all: "native" the backend's, any other ours (pairwise)."""
     compression: str = "none"
     """Data-parallel gradient compression (ZeRO: parallel.zero_quant_grads): "none", "fp16", "bf16"
     (cast), "int8" (per-chunk absmax, error feedback) or "topk" (sparsification, error feedback)."""

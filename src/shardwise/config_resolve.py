@@ -40,6 +40,7 @@ def resolve_config(cfg: Config, world_size: int | None = None, tokenizer_vocab: 
     _resolve_tensor_parallel(cfg)
     _resolve_context_parallel(cfg)
     _resolve_objective(cfg)
+    _resolve_experts(cfg)
     _validate_train(cfg.train)
     _check_zero_param_dtype(cfg)
     _validate_misc(cfg)
@@ -134,6 +135,22 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
             raise ConfigError(f"model.init_from={m.init_from!r}: {e}") from None
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
+    _resolve_moe(m)
+
+
+def _resolve_moe(m: ModelConfig) -> None:
+    """The mixture-of-experts fields (shardwise.model.moe): sizes and coefficients in range."""
+    if m.n_experts is None:
+        m.n_experts = 0
+    _positive("model.n_experts", m.n_experts, allow_zero=True)
+    if m.n_experts and not 1 <= m.moe_top_k <= m.n_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be in 1..model.n_experts={m.n_experts}")
+    _positive("model.moe_every", m.moe_every)
+    if m.n_experts and m.moe_every > m.n_layers:
+        raise ConfigError(f"model.moe_every={m.moe_every} exceeds model.n_layers={m.n_layers}: no block would be "
+                          f"MoE; use 1..{m.n_layers}")
+    for key in ("moe_shared", "moe_capacity_factor", "moe_aux_coeff", "moe_z_coeff"):
+        _positive(f"model.{key}", getattr(m, key), allow_zero=True)
 
 
 def _apply_init_from(m: ModelConfig) -> None:
@@ -227,8 +244,6 @@ def _resolve_parallel(p: ParallelConfig, world_size: int | None) -> None:
             if world % model_parallel == 0
             else f"parallel.dp*tp*pp*cp={p.dp * model_parallel} does not match the world size {world}"
         )
-    if p.ep != 1:
-        raise ConfigError(f"parallel.ep={p.ep}: expert parallelism is not implemented yet; use 1")
     _choice("parallel.cp_algorithm", p.cp_algorithm)
     _choice("parallel.cp_balance", p.cp_balance)
     if p.zero not in CHOICES["parallel.zero"]:
@@ -386,6 +401,39 @@ def _resolve_context_parallel(cfg: Config) -> None:
         if kv % p.cp and p.cp % kv:
             raise ConfigError(f"parallel.cp_algorithm='ulysses': {kv} key/value heads per tensor-parallel rank "
                               f"neither divide by nor divide parallel.cp={p.cp}; use 'ring'")
+
+
+def _resolve_experts(cfg: Config) -> None:
+    """Expert parallelism (shardwise.parallel.expert) splits model.n_experts over runs of parallel.ep
+    data-parallel ranks; what MoE does not compose with yet is refused here, one line each."""
+    p, m = cfg.parallel, cfg.model
+    if p.ep > 1 and not m.n_experts:
+        raise ConfigError(f"parallel.ep={p.ep} needs a mixture-of-experts model; set model.n_experts "
+                          "(a multiple of parallel.ep) or parallel.ep=1")
+    if m.n_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}; "
+                          f"use one of {_divisors(m.n_experts)}")
+    if p.dp % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}; use one of {_divisors(p.dp)}")
+    if m.n_experts and p.sequence_parallel:
+        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.sequence_parallel=true: MoE blocks stay whole "
+                          "on every tensor-parallel rank and would see only their sequence shard (not composed "
+                          "yet); use parallel.sequence_parallel=false")
+    if m.n_experts and p.pp > 1:
+        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.pp={p.pp}: the auxiliary router losses "
+                          "are added at the last stage only (not composed yet); use parallel.pp=1")
+    if p.ep > 1 and p.zero:
+        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero={p.zero}: ZeRO does not shard expert weights "
+                          "over their own replicas yet; use parallel.zero=0 (or parallel.ep=1)")
+    if m.n_experts and p.cp > 1:
+        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.cp={p.cp}: the load-balancing loss of a "
+                          "sequence shard is not that of the whole sequence (not composed yet); use parallel.cp=1")
+    if m.n_experts and m.flavor == "bert":
+        raise ConfigError(f"model.n_experts={m.n_experts} with model.flavor='bert': the experts are decoder "
+                          "MLPs (GPT-2 or Llama); use model.n_experts=0 or another flavour")
+    if m.n_experts and cfg.ps.servers:
+        raise ConfigError(f"model.n_experts={m.n_experts} with ps.servers={cfg.ps.servers}: the parameter "
+                          "server's workers do not add the router losses (not composed yet); use ps.servers=0")
 
 
 def _resolve_batch(t: TrainConfig, dp: int) -> None:
@@ -578,6 +626,9 @@ def _refuse_unused(cfg: Config) -> None:
     rules = [  # (dotted field, read in this layout?, why not and what to do instead)
         ("model.rope_theta", m.flavor == "llama", f"sets rotary embeddings, which model.flavor={m.flavor!r} "
          "does not use; use model.flavor='llama' or remove it"),
+        *((f"model.{k}", m.n_experts > 0, "configures mixture-of-experts blocks, but model.n_experts=0; set "
+           "model.n_experts or remove it") for k in ("moe_top_k", "moe_every", "moe_shared", "moe_capacity_factor",
+                                                     "moe_aux_coeff", "moe_z_coeff")),
         ("data.format", d.source != "stdlib", "describes a data.source file or directory, but data.source='stdlib' "
          "is the standard library's .py files; give data.source a path or remove it"),
         ("data.text_field", _source_kind(d) not in ("stdlib", "text"), f"names a jsonl field or a parquet / hf "

@@ -43,7 +43,9 @@ def _labels(run_dirs: Sequence[Path]) -> list[str]:
 
 
 def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
-    """Write a PNG comparing runs: loss (with ``val_loss`` markers), tokens/s, lr, grad norm.
+    """Write a PNG comparing runs: loss (with ``val_loss`` markers), tokens/s, lr, grad norm; and, when a run
+    has mixture-of-experts blocks, an expert-load row: tokens per expert (mean, min-max band) and the router's
+    load-balancing loss with the dropped fraction.
 
     Each run is one colour across the panels, labelled by its directory name. Raises
     FileNotFoundError naming the run directory if it has no ``metrics.jsonl``, ValueError if
@@ -62,11 +64,12 @@ def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
             raise ValueError(f"{run_dir}: {METRICS_FILE} holds no metrics records")
         runs.append(records)
 
-    fig = Figure(figsize=(12, 8), layout="constrained")
+    moe = any(_series(r, "moe_tokens_per_expert_mean")[0] for r in runs)
+    fig = Figure(figsize=(12, 12 if moe else 8), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2, sharex=True).ravel()
+    axes = fig.subplots(3 if moe else 2, 2, sharex=True).ravel()
     colors = [f"C{i % 10}" for i in range(len(runs))]
-    for ax, (key, title, ylabel, log_y) in zip(axes, _PANELS, strict=True):
+    for ax, (key, title, ylabel, log_y) in zip(axes[:4], _PANELS, strict=True):
         plotted = False
         for records, label, color in zip(runs, _labels(run_dirs), colors, strict=True):
             xs, ys = _series(records, key)
@@ -87,12 +90,39 @@ def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
             ax.legend(fontsize="small")
         else:
             ax.text(0.5, 0.5, f"no '{key}' recorded", transform=ax.transAxes, ha="center", va="center")
-    for ax in axes[2:]:
+    if moe:
+        _expert_panels(axes[4], axes[5], runs, _labels(run_dirs), colors)
+    for ax in axes[-2:]:
         ax.set_xlabel("step")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=100)
     return out
+
+
+def _expert_panels(load_ax, router_ax, runs, labels, colors) -> None:
+    """Tokens per expert (mean line, min-max band; kept slots per expert and block in a step, whole batch)
+    and the unweighted load-balancing loss (1 = uniform) with the fraction of slots dropped by the capacity."""
+    for records, label, color in zip(runs, labels, colors, strict=True):
+        xs, mean = _series(records, "moe_tokens_per_expert_mean")
+        if not xs:
+            continue
+        _, lo = _series(records, "moe_tokens_per_expert_min")
+        _, hi = _series(records, "moe_tokens_per_expert_max")
+        load_ax.plot(xs, mean, color=color, linewidth=1.2, label=f"{label} (mean)")
+        load_ax.fill_between(xs, lo, hi, color=color, alpha=0.2, label=f"{label} (min-max)")
+        ax_, aux = _series(records, "moe_aux_loss")
+        router_ax.plot(ax_, aux, color=color, linewidth=1.2, label=f"{label} aux loss")
+        dx, dropped = _series(records, "moe_dropped_frac")
+        if any(dropped):
+            router_ax.plot(dx, dropped, color=color, linestyle=":", label=f"{label} dropped fraction")
+    load_ax.set_title("expert load")
+    load_ax.set_ylabel("tokens per expert")
+    router_ax.set_title("router balance")
+    router_ax.set_ylabel("E * sum f_i P_i  /  dropped")
+    for ax in (load_ax, router_ax):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
 
 
 def plot_timeline(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:

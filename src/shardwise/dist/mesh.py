@@ -30,8 +30,10 @@ from shardwise.dist.devices import process_group_backend
 AXES = ("pp", "dp", "cp", "tp")
 """The axes of the device grid, slowest-varying first."""
 
-ALL_AXES = (*AXES, "ep")
-"""Every axis a ``Mesh`` answers for; ``ep`` subdivides ``dp * cp``."""
+ALL_AXES = (*AXES, "ep", "edp")
+"""Every axis a ``Mesh`` answers for; ``ep`` subdivides ``dp * cp``; ``edp`` (expert data parallel) is the
+complement of ``ep`` in ``dp * cp``: the ranks at the same position of their ep groups, which hold the same
+experts (their gradients are reduced over it)."""
 
 JOINT_AXES = ("dp_cp",)
 """Joint groups: ``dp_cp`` holds the ranks that differ only in (dp, cp) -- the ranks that hold the same
@@ -185,7 +187,7 @@ class ParallelDims:
 
     def validate(self) -> ParallelDims:
         """Raise ``ValueError`` naming the offending field unless the sizes form a layout."""
-        for axis in (*ALL_AXES, "world_size"):
+        for axis in (*AXES, "ep", "world_size"):
             value = getattr(self, axis)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 name = "world size" if axis == "world_size" else f"parallel.{axis}"
@@ -208,6 +210,8 @@ class ParallelDims:
         _check_axis(axis)
         if axis == "dp_cp":
             return self.dp * self.cp
+        if axis == "edp":
+            return self.dp * self.cp // self.ep
         return getattr(self, axis)
 
     def rank_grid(self) -> torch.Tensor:
@@ -224,8 +228,10 @@ class ParallelDims:
         _check_axis(axis)
         self.validate()
         grid = self.rank_grid()
-        if axis == "ep":
+        if axis in ("ep", "edp"):
             grid = grid.reshape(self.pp, self.dp * self.cp // self.ep, self.ep, self.tp)
+            if axis == "edp":
+                return grid.permute(0, 3, 2, 1).reshape(-1, self.dp * self.cp // self.ep).tolist()
             return grid.permute(0, 1, 3, 2).reshape(-1, self.ep).tolist()
         if axis == "dp_cp":
             return grid.permute(0, 3, 1, 2).reshape(-1, self.dp * self.cp).tolist()
@@ -262,10 +268,14 @@ class ParallelDims:
         mine = {axis: next(g for g in self.groups(axis) if me in g) for axis in (*ALL_AXES, *JOINT_AXES)}
         device_mesh = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=AXES)
         groups = {axis: device_mesh.get_group(axis) for axis in AXES}
-        for ranks in self.groups("ep"):  # every rank creates every group, in the same order
-            g = dist.new_group(ranks)
-            if me in ranks:
-                groups["ep"] = g
+        for axis in ("ep", "edp"):
+            if axis == "edp" and self.ep == 1 and self.cp == 1:
+                groups["edp"] = groups["dp"]  # the same ranks: no new group
+                continue
+            for ranks in self.groups(axis):  # every rank creates every group, in the same order
+                g = dist.new_group(ranks)
+                if me in ranks:
+                    groups[axis] = g
         if self.cp == 1 or self.dp == 1:  # dp_cp is one of the axes themselves
             groups["dp_cp"] = groups["dp" if self.cp == 1 else "cp"]
         else:

@@ -23,6 +23,15 @@ PRESETS: dict[str, dict] = {
     "tiny-llama": dict(flavor="llama", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=64),
     # The default of `shardwise train`: learns visible Python structure in ~3 minutes on 2 CPU cores.
     "cpu-demo": dict(flavor="gpt2", n_layers=4, d_model=256, n_heads=8, max_seq_len=128),
+    # Mixture of experts (shardwise.model.moe): 4 experts top-2, for multi-process tests; a CPU demo with
+    # the active FLOPs of cpu-demo (top-2 of 8 experts of half cpu-demo's MLP width); Mixtral-8x7B's shape for
+    # the planner (Jiang et al. 2024, "Mixtral of Experts", Table 1: 46.7B total, 12.9B active parameters).
+    "tiny-moe": dict(flavor="gpt2", n_layers=2, d_model=64, n_heads=4, max_seq_len=64, n_experts=4, d_ff=128),
+    "cpu-demo-moe": dict(flavor="gpt2", n_layers=4, d_model=256, n_heads=8, max_seq_len=128, n_experts=8, d_ff=512),
+    "mixtral-8x7b": dict(
+        flavor="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
+        vocab_size=32000, max_seq_len=32768, rope_theta=1e6, n_experts=8,
+    ),
     "gpt2-124m": dict(flavor="gpt2", n_layers=12, d_model=768, n_heads=12, vocab_size=50257, max_seq_len=1024),
     "gpt2-350m": dict(flavor="gpt2", n_layers=24, d_model=1024, n_heads=16, vocab_size=50257, max_seq_len=1024),
     "gpt2-1.5b": dict(flavor="gpt2", n_layers=48, d_model=1600, n_heads=25, vocab_size=50257, max_seq_len=1024),

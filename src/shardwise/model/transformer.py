@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.model.layers import Attention, GeluMLP, RMSNorm, RotaryEmbedding, SwiGLU
+from shardwise.model.moe import MoE, is_moe_layer, moe_aux_loss, moe_layers
 
 if TYPE_CHECKING:
     from shardwise.config import ModelConfig
@@ -71,8 +72,13 @@ class Block(nn.Module):
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=gelu, dropout=cfg.dropout, rope=rope,
                               causal=not self.post_norm)
         self.norm2 = _norm(cfg)
-        self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, bias=True, approximate="none" if self.post_norm else "tanh") \
-            if gelu else SwiGLU(cfg.d_model, cfg.d_ff, bias=False)
+        if is_moe_layer(layer_id, cfg.n_experts or 0, cfg.moe_every):
+            self.mlp = MoE(cfg.d_model, cfg.d_ff, cfg.flavor, cfg.n_experts, cfg.moe_top_k, n_shared=cfg.moe_shared,
+                           capacity_factor=cfg.moe_capacity_factor, aux_coeff=cfg.moe_aux_coeff,
+                           z_coeff=cfg.moe_z_coeff)
+        else:
+            self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, bias=True, approximate="none" if self.post_norm else "tanh") \
+                if gelu else SwiGLU(cfg.d_model, cfg.d_ff, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, cache=None, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,7 +95,8 @@ class Transformer(nn.Module):
 
     ``model(tokens)`` returns logits ``[B, T, vocab_size]``; ``model(tokens, targets)`` returns
     ``self.loss_fn(logits, targets)``: by default :func:`mean_cross_entropy`, the mean next-token
-    cross-entropy as an fp32 scalar (targets equal to -100 are ignored). ``loss_fn`` is a plain
+    cross-entropy as an fp32 scalar (targets equal to -100 are ignored); in training mode, plus the
+    weighted auxiliary losses of the mixture-of-experts blocks (:mod:`shardwise.model.moe`). ``loss_fn`` is a plain
     attribute so that code outside the model can replace it (e.g. by one that takes logits split
     over the vocabulary).
 
@@ -183,7 +190,14 @@ class Transformer(nn.Module):
                 x = block(x) if cache is None else block(x, cache)
         if cache is not None:
             cache.advance()
-        return self.head(x, targets)
+        out = self.head(x, targets)
+        if targets is not None and self.training:
+            for moe in moe_layers(self):
+                moe.record()
+            aux = moe_aux_loss(self)
+            if aux is not None:
+                out = out + aux.to(out.dtype)
+        return out
 
     # ---- parameters -------------------------------------------------------------------------
 

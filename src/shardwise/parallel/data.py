@@ -66,8 +66,16 @@ def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None = None, 
     Tensors are packed into flat buffers of at most ``bucket_bytes`` per dtype and device
     so that a model costs a few broadcasts rather than one per tensor.
     """
+    broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), group, src, bucket_bytes)
+
+
+@torch.no_grad()
+def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None, src: int = 0,
+                      bucket_bytes: int = 25 * 2**20) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s (a rank of ``group``), packed as :func:`broadcast_module` says."""
+    if group is not None and dist.get_world_size(group) == 1:
+        return
     global_src = src if group is None else dist.get_global_rank(group, src)
-    tensors = [p.data for p in module.parameters()] + list(module.buffers())
     for chunk in _chunks(tensors, bucket_bytes):
         flat = torch.cat([t.reshape(-1) for t in chunk])
         wire = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
@@ -106,17 +114,23 @@ class _Bucket:
     """Parameters whose gradient is not ready yet in this backward pass."""
     work: dist.Work | Job | None = None
     """What the launch returned: an async handle, or the communication thread's job."""
+    group: dist.ProcessGroup | None = None
+    """The group this bucket is reduced over (the data-parallel group, or an expert one)."""
+    reduce: bool = True
+    """Whether that group has more than one rank (else the gradient is only divided)."""
 
 
-def _assign_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+def _assign_buckets(params: list[nn.Parameter], cap_bytes: int,
+                    kind=lambda p: 0) -> list[list[nn.Parameter]]:
     """Group parameters into buckets of about ``cap_bytes``, in reverse registration order.
 
-    One bucket holds one dtype and device. A bucket is closed once it reaches the cap
-    (a parameter larger than the cap gets a bucket of its own), as torch DDP does.
-    Buckets are ordered by their first parameter, so the order is the same on every rank.
+    One bucket holds one dtype and device, and parameters of one ``kind`` (one reduction group).
+    A bucket is closed once it reaches the cap (a parameter larger than the cap gets a bucket of its own),
+    as torch DDP does. Buckets are ordered by their first parameter, so the order is the same on every rank.
     """
     order = list(reversed(params))
-    buckets = list(_chunks(order, cap_bytes))
+    kinds = dict.fromkeys(kind(p) for p in order)
+    buckets = [b for k in kinds for b in _chunks([p for p in order if kind(p) == k], cap_bytes)]
     position = {id(p): i for i, p in enumerate(order)}
     return sorted(buckets, key=lambda b: position[id(b[0])])
 
@@ -154,10 +168,15 @@ class DataParallel(nn.Module):
         comm_thread: call ``all_reduce_fn`` on a background thread so that a blocking
             algorithm overlaps backward; default: for every fn that does not return the backend's
             asynchronous handle (the native all-reduce, or a fn whose ``asynchronous`` is true).
+        expert_group: with expert parallelism, the ranks holding the same experts (mesh axis ``edp``):
+            parameters marked ``p.ep_shard`` (:mod:`shardwise.parallel.expert`) are bucketed apart,
+            broadcast and summed over it, and divided by the size of ``group`` like every gradient (each
+            expert's gradient already holds the tokens of its whole ep group).
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0,
-                 broadcast_from: int = 0, all_reduce_fn: AllReduceFn | None = None, comm_thread: bool | None = None):
+                 broadcast_from: int = 0, all_reduce_fn: AllReduceFn | None = None, comm_thread: bool | None = None,
+                 expert_group: dist.ProcessGroup | None = None):
         super().__init__()
         self.module = module
         self.group = group
@@ -176,10 +195,23 @@ class DataParallel(nn.Module):
         self._thread = CommThread(f"DataParallel comm thread (rank {dist.get_rank()})") if threaded else None
         if self.world_size == 1:
             return  # the average over one rank is the gradient itself: nothing to do
-        broadcast_module(module, group, broadcast_from, int(bucket_mb * 2**20))
+        def expert(p) -> bool:
+            return expert_group is not None and getattr(p, "ep_shard", None) is not None
+
+        experts = {id(p) for p in module.parameters() if expert(p)}
+        broadcast_tensors([p.data for p in module.parameters() if id(p) not in experts] + list(module.buffers()),
+                          group, broadcast_from, int(bucket_mb * 2**20))
+        if experts:
+            broadcast_tensors([p.data for p in module.parameters() if id(p) in experts], expert_group, 0,
+                              int(bucket_mb * 2**20))
         cap = max(int(bucket_mb * 2**20), 1)
-        for i, params in enumerate(_assign_buckets(self._params, cap)):
-            self._buckets.append(self._make_bucket(i, params))
+        for i, params in enumerate(_assign_buckets(self._params, cap, kind=expert)):
+            b = self._make_bucket(i, params)
+            if expert(params[0]):
+                b.group, b.reduce = expert_group, dist.get_world_size(expert_group) > 1
+            else:
+                b.group = group
+            self._buckets.append(b)
         self._where: dict[int, tuple[_Bucket, int]] = {}
         for b in self._buckets:
             for pos, p in enumerate(b.params):
@@ -282,10 +314,12 @@ class DataParallel(nn.Module):
             torch.div(grad, self.world_size, out=view)
 
     def _launch(self, bucket: _Bucket) -> None:
-        if self._thread is None:
-            bucket.work = self.all_reduce_fn(bucket.buffer, self.group)
+        if not bucket.reduce:
+            bucket.work = None
+        elif self._thread is None:
+            bucket.work = self.all_reduce_fn(bucket.buffer, bucket.group)
         else:
-            bucket.work = self._thread.submit(self.all_reduce_fn, bucket.buffer, self.group,
+            bucket.work = self._thread.submit(self.all_reduce_fn, bucket.buffer, bucket.group,
                                               label=f"all-reduce of bucket {bucket.index}")
         self._next_bucket = bucket.index + 1
 
@@ -317,7 +351,8 @@ class DataParallel(nn.Module):
                         # else no rank had one: leave None, as a single process would
                     elif p.grad.data_ptr() != view.data_ptr():
                         p.grad = view
-            self.comm_bytes_last_step = sum(b.buffer.numel() * b.buffer.element_size() for b in self._buckets)
+            self.comm_bytes_last_step = sum(b.buffer.numel() * b.buffer.element_size()
+                                            for b in self._buckets if b.reduce)
             self.overlapped_buckets_last_step = self._launched_early
         finally:
             self._reset()

@@ -9,6 +9,8 @@ nanotron keys it on each parameter's ShardedInfo):
 * a tensor-parallel split (``p.tp_shard.dim`` set, :mod:`shardwise.parallel.tensor`): its squares are
   summed over ``tp_group``; a rank that holds a replica it does not own leaves it out;
 * a full copy on every tensor-parallel rank (``dim`` None, or no tensor parallelism): counted locally;
+* an expert-parallel shard (``p.ep_shard``, :mod:`shardwise.parallel.expert`): this rank's experts;
+  their squares are summed over ``ep_group``;
 * a ZeRO shard's slice: summed over ``shard_group`` (the data-parallel group the shards split);
 * a pipeline stage's: summed over ``pp_group``; a weight tied between two stages is counted by one
   (its ``id`` in ``skip`` on the other).
@@ -29,16 +31,19 @@ from torch import nn
 def clip_grad_norm(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]], max_norm: float, *,
                    tp_group: dist.ProcessGroup | None = None, shard_group: dist.ProcessGroup | None = None,
                    pp_group: dist.ProcessGroup | None = None, skip: frozenset[int] = frozenset(),
-                   device: torch.device | None = None) -> float:
+                   device: torch.device | None = None, ep_group: dist.ProcessGroup | None = None) -> float:
     """The global L2 norm of the gradient whose ``(gradient piece, its parameter)`` pairs this rank holds;
     with ``max_norm > 0`` every piece is scaled by ``min(1, max_norm / (norm + 1e-6))``. A collective over
     the groups given (every rank of them must call it); a group left ``None`` is not reduced over (pass
     ``dist.group.WORLD`` for the default group). ``device``: where the reductions run when this rank holds
     no piece."""
     pieces = [(g, p) for g, p in pieces if g is not None]
-    parts: list[list[torch.Tensor]] = [[], []]  # [tensor-parallel splits, everything else]
+    parts: list[list[torch.Tensor]] = [[], [], []]  # [tensor-parallel splits, everything else, expert shards]
     for g, p in pieces:
         if id(p) in skip:
+            continue
+        if ep_group is not None and getattr(p, "ep_shard", None) is not None:
+            parts[2].append(g)
             continue
         info = getattr(p, "tp_shard", None) if tp_group is not None else None
         if info is None or info.dim is None:
@@ -47,7 +52,7 @@ def clip_grad_norm(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]], max_norm
             parts[0].append(g[info.local_index()] if g.shape == p.shape else g)
     if device is None:
         device = pieces[0][0].device if pieces else torch.device("cpu")
-    sq = torch.zeros(2, dtype=torch.float32, device=device)
+    sq = torch.zeros(3, dtype=torch.float32, device=device)
     for i, part in enumerate(parts):
         if part:
             sq[i] = torch.stack([n.float() for n in torch._foreach_norm(part)]).pow(2).sum().to(device)
@@ -57,6 +62,10 @@ def clip_grad_norm(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]], max_norm
         splits = sq[:1].clone()
         dist.all_reduce(splits, group=tp_group)
         sq[0] = splits[0]
+    if ep_group is not None:
+        experts = sq[2:].clone()
+        dist.all_reduce(experts, group=ep_group)
+        sq[2] = experts[0]
     total = sq.sum().reshape(1)
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)

@@ -8,7 +8,9 @@ for Llama does the same; DESIGN.md "How layouts compose"):
    (:func:`shardwise.parallel.plan.apply_tensor_parallel`);
 2. context parallelism (Liu et al. 2023; Jacobs et al. 2023): every attention core runs over the ``cp``
    axis, positions and the loss follow the rank's share of the sequence
-   (:func:`shardwise.parallel.context.apply_context_parallel`); experts plug in here (not implemented yet);
+   (:func:`shardwise.parallel.context.apply_context_parallel`); expert parallelism over the ``ep`` axis
+   (GShard, Lepikhin et al. 2021): each MoE block keeps its share of the experts and reaches them by
+   all-to-all (:func:`shardwise.parallel.expert.apply_expert_parallel`);
 3. activation recomputation, full or selective (:mod:`shardwise.train.recompute`), around what the
    previous steps produced;
 4. ``torch.compile`` of each block (``train.compile``, :mod:`shardwise.parallel.compile`);
@@ -26,19 +28,23 @@ from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import Mesh
 from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.context import apply_context_parallel
+from shardwise.parallel.expert import all_to_all_algorithm, apply_expert_parallel
 from shardwise.parallel.plan import apply_tensor_parallel
 from shardwise.train.recompute import apply_recompute
 
 
 def parallelize(part: nn.Module, mesh: Mesh, cfg, ledger: CommLedger) -> nn.Module:
     """Rewrite ``part`` (a :class:`~shardwise.model.Transformer` or a pipeline stage of one, holding real
-    values) in place for this rank: TP/SP -> (CP, EP) -> recompute -> compile. Collectives record into
+    values) in place for this rank: TP/SP -> CP -> EP -> recompute -> compile. Collectives record into
     ``ledger[axis]``. Returns ``part``."""
     if mesh.size("tp") > 1:
         apply_tensor_parallel(part, mesh.group("tp"), ledger["tp"],
                               sequence_parallel=cfg.parallel.sequence_parallel, cfg=cfg.model)
     if mesh.size("cp") > 1:
         apply_context_parallel(part, mesh, cfg, ledger["cp"])
+    if mesh.size("ep") > 1:
+        apply_expert_parallel(part, mesh.group("ep"), ledger["ep"], all_to_all_algorithm(cfg.comm),
+                              cfg.comm.timeout_s or None)
     apply_recompute(part, cfg.train.recompute, cfg.train.recompute_every)
     if cfg.train.compile:
         apply_compile(part)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.dist.comm.counting import CommStats
+from shardwise.model.moe import MoE
 from shardwise.parallel.loss import VocabParallelLoss
 from shardwise.parallel.tensor import (
     ColumnParallelLinear,
@@ -202,8 +203,8 @@ def apply_tensor_parallel(
     head: ColumnParallelLinear | None = None
     for path, module in list(model.named_modules()):
         style = style_of(plan, path) if path else None
-        if style is None or style == "replicate":
-            continue
+        if style is None or style == "replicate" or (style == "region" and isinstance(module, MoE)):
+            continue  # a mixture-of-experts block stays whole on every tp rank (its experts may be split over ep)
         if style == "vocab_embedding":
             emb = VocabParallelEmbedding.from_embedding(module, group, stats, sequence_parallel=sp, axis=axis)
             _set(model, path, emb)

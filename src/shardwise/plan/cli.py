@@ -2,8 +2,8 @@
 
 Takes the same config tree and ``--section.key VALUE`` overrides as ``shardwise train``. Layout
 fields the config and the overrides leave open (parallel.dp/tp/pp/cp/ep/zero/sequence_parallel,
-train.micro_batch/recompute) are searched; the ones given are kept. Planner-only model fields:
-``--model.n_experts E --model.moe_top_k K`` (mixture of experts).
+train.micro_batch/recompute) are searched; the ones given are kept. Mixture of experts: the model's
+``model.n_experts`` / ``moe_top_k`` / ``moe_every`` / ``moe_shared`` (e.g. ``--model.preset mixtral-8x7b``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ LAYOUT_KEYS = {
     "parallel.pp_virtual": "pp_virtual", "train.micro_batch": "micro_batch", "train.grad_accum": "grad_accum",
     "parallel.microbatches": "grad_accum", "train.recompute": "recompute",
 }
-PLANNER_ONLY = ("model.n_experts", "model.moe_top_k")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,20 +124,12 @@ def load_plan_inputs(config: str | None, overrides: dict[str, str]):
     tree = _read_toml(config)
     for section in ("plan", "cluster"):
         tree.pop(section, None)
-    model = tree.get("model", {})
-    extra = {k: str(model.pop(k.partition(".")[2])) for k in PLANNER_ONLY if k.partition(".")[2] in model}
-    extra |= {k: overrides.pop(k) for k in PLANNER_ONLY if k in overrides}
     cfg = Config.from_dict(tree)
     for dotted, text in overrides.items():
         cfg.set_text(dotted, text)
     given = _given_keys(config, overrides)
-    try:
-        n_experts = int(extra.get("model.n_experts", 0))
-        top_k = int(extra.get("model.moe_top_k", 2))
-    except ValueError:
-        raise ConfigError("model.n_experts and model.moe_top_k must be integers") from None
     cfg.model = resolved_model(cfg)  # the name too: a shape given without a preset is "custom"
-    m = model_spec(cfg, n_experts, top_k)
+    m = model_spec(cfg)
     s = seq_len_of(cfg, m)
     fixed = {}
     for key, field_name in LAYOUT_KEYS.items():

@@ -133,7 +133,8 @@ def strides(lay: Layout) -> dict[str, int]:
 
 
 def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: Cluster,
-               act_bytes: int = 2, units: ZeroUnits | None = None, dp_flags: int = 0) -> list[CommItem]:
+               act_bytes: int = 2, units: ZeroUnits | None = None, dp_flags: int = 0,
+               ep_flags: int = 0) -> list[CommItem]:
     """Every collective of one step on the busiest rank, with its volume and time.
 
     With ``units`` (the ZeRO engine's flat units, :func:`shardwise.plan.memory.exact_zero_units`)
@@ -143,7 +144,13 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
     uint8 flag per parameter tensor all-reduced once per step (which parameters had a gradient).
     ``dp_flags``: without ZeRO, the trainer's DataParallel carries one such flag per parameter tensor
     inside its gradient buckets, in the gradient dtype (pass the tensor count to predict its bytes
-    exactly; 0 leaves them out, as a planner may)."""
+    exactly; 0 leaves them out, as a planner may); ``ep_flags``: the same for the expert tensors, whose
+    buckets are reduced over the expert replicas.
+
+    Expert parallelism: each MoE block's tokens go out and back by all-to-all in forward and again
+    in backward (4 per block and micro-batch, ``micro_batch * s * top_k`` rows of ``d_model``, dropless;
+    GShard, Lepikhin et al. 2021 §3.2), plus one exchange of the ``n_experts`` split sizes (int64) per
+    block and forward (:func:`expert_count_bytes`)."""
     st = strides(lay)
     items: list[CommItem] = []
 
@@ -164,7 +171,7 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
         if units is not None and kind == "dense":
             add("ZeRO grad flags", "all-reduce", group, units.n_tensors, 1, stride, "none")
         if lay.zero == 0:
-            flags = dp_flags if kind == "dense" else 0
+            flags = dp_flags if kind == "dense" else ep_flags
             add(label, "all-reduce", group, (psi + flags) * b["grads"], 1, stride, "backward")
         elif lay.zero in (1, 2):
             add(f"ZeRO-{lay.zero} grads", "reduce-scatter", group, psi * b["grads"], 1, stride, "backward")
@@ -198,8 +205,18 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
         add("context parallel", "all-gather", lay.cp, kv * lay.cp, 3 * layers * mb, st["cp"], "attention")
     if m.n_experts and lay.ep > 1:
         tokens = lay.micro_batch * s_local * m.moe_top_k * m.d_model * act_bytes
-        add("expert parallel", "all-to-all", lay.ep, tokens, 4 * layers * mb, st["ep"], "none")
+        moe_layers = m.n_layers // m.moe_every // lay.pp
+        fwd_passes = 2 if lay.recompute == "full" else 1
+        add("expert parallel", "all-to-all", lay.ep, tokens, 2 * (fwd_passes + 1) * moe_layers * mb, st["ep"],
+            "none")
+        add("expert parallel (counts)", "all-to-all", lay.ep, expert_count_bytes(m), fwd_passes * moe_layers * mb,
+            st["ep"], "none")
     return items
+
+
+def expert_count_bytes(m: ModelSpec) -> int:
+    """The split sizes a MoE block exchanges before its tokens: one int64 per expert."""
+    return 8 * m.n_experts
 
 
 FP32_BYTES = 4

@@ -67,8 +67,10 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     first_stage = ("tok_emb", "pos_emb")  # with pp > 1 rank 0 holds the first stage, never the head
     flags = sum(1 for e in model_params(m) if e.block in blocks or (e.block is None and (
         p.pp == 1 or e.name.split(".")[0] in first_stage))) if p.zero == 0 and dp * p.cp > 1 else 0
-    items = [c for c in comm_items(m, lay, s, states, cluster, act_bytes, units, dp_flags=flags)
-             if c.technique not in ("pipeline", "context parallel")]
+    # with experts split over ep, their tensors sit in buckets of their own, reduced over the expert replicas
+    ep_flags = sum(".experts." in e.name for e in model_params(m)) if flags and p.ep > 1 else 0
+    items = [c for c in comm_items(m, lay, s, states, cluster, act_bytes, units, dp_flags=flags - ep_flags,
+                                   ep_flags=ep_flags) if c.technique not in ("pipeline", "context parallel")]
     p2p = pipeline_sent_bytes(m, lay, s)
     tp = tensor_parallel_bytes(items, lay, s, m.d_model, act_bytes) + tp_grad_sync_bytes(m, lay)
     layers = len(blocks)  # the context-parallel terms are per block this rank holds
@@ -78,6 +80,7 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
            "comm_bytes": sum(c.total_payload for c in items if not
                              c.technique.startswith("tensor parallel")) + tp + p2p + cp,
            "comm_sent_bytes": sum(c.sent_bytes for c in items) + p2p, "pp_sent_bytes": p2p,
+           "ep_sent_bytes": sum(c.total_payload for c in items if c.technique.startswith("expert parallel")),
            "mem_device_bytes": mem.total()}
     out.update(mem.by_metric())
     if p.cp > 1 and p.cp_algorithm == "ring":  # what the ring keeps; the other algorithms' are not predicted
@@ -178,6 +181,8 @@ def compare_run(run_dir: Path, as_json: bool = False) -> int:
     if cfg.parallel.cp > 1:
         rows.insert(2, ("cp_sent_bytes", pred["cp_sent_bytes"], meas.get("cp_sent_bytes")))
         rows.insert(3, ("cp_attn_act_bytes", pred.get("cp_attn_act_bytes"), meas.get("cp_attn_act_bytes")))
+    if cfg.parallel.ep > 1:
+        rows.insert(2, ("ep_sent_bytes", pred["ep_sent_bytes"], meas.get("ep_sent_bytes")))
     rows += [(k, pred[k], meas.get(k)) for k in (*MEMORY_METRICS, "mem_total_bytes")]
     rows += [(k, None, meas.get(k)) for k in ("tokens_per_s", "step_time_s", "mfu")]
     rows += [("parameters", pred["parameters"], None), ("flops_per_token", pred["flops_per_token"], None)]

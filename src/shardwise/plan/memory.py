@@ -163,8 +163,8 @@ def params_per_rank(m: ModelSpec, lay: Layout) -> tuple[float, float]:
 
     Matrices and embeddings are split over ``tp`` (Megatron column/row/vocab-parallel layers,
     Shoeybi et al. 2019 §3); norms and row-parallel biases are replicated. Experts are split over
-    ``ep`` (and their matrices over ``tp``). The first stage holds the token (and position)
-    embedding; the last the final norm and the head (and, tied with pp > 1, a copy of the
+    ``ep`` and whole on every tp rank, as the trainer keeps them. The first stage holds the token (and
+    position) embedding; the last the final norm and the head (and, tied with pp > 1, a copy of the
     embedding, as Megatron does, §3 of Narayanan et al. 2021)."""
     t, h = lay.tp, m.d_model
     layers = m.n_layers / lay.pp
@@ -172,13 +172,13 @@ def params_per_rank(m: ModelSpec, lay: Layout) -> tuple[float, float]:
     attn_bias_rep = h if m.flavor in ("gpt2", "bert") else 0  # o_proj bias is replicated
     attn = (attention_params(m) - attn_bias_rep) / t + attn_bias_rep
     dense_mlp_bias_rep = h if m.flavor in ("gpt2", "bert") else 0
-    if m.n_experts:
-        per_expert = (mlp_params(m) - dense_mlp_bias_rep) / t + dense_mlp_bias_rep
-        experts = m.n_experts * per_expert / lay.ep
-        dense_block = attn + 2 * norm + h * m.n_experts
-    else:
-        experts = 0.0
-        dense_block = attn + 2 * norm + (mlp_params(m) - dense_mlp_bias_rep) / t + dense_mlp_bias_rep
+    mlp = (mlp_params(m) - dense_mlp_bias_rep) / t + dense_mlp_bias_rep
+    # an MoE block (router, experts, shared experts) stays whole on every tp rank (shardwise.parallel.plan);
+    # its experts split over ep
+    moe_share = (m.n_layers // m.moe_every) / m.n_layers if m.n_experts else 0.0  # MoE blocks per block
+    experts = moe_share * m.n_experts * mlp_params(m) / lay.ep
+    shared = mlp_params(m, m.moe_shared * m.d_ff) if m.moe_shared else 0.0
+    dense_block = attn + 2 * norm + (1 - moe_share) * mlp + moe_share * (h * m.n_experts + shared)
     emb = m.vocab_size * h / t + (m.max_seq_len * h if m.flavor in ("gpt2", "bert") else 0)
     head = m.vocab_size * h / t
     first = emb + (0 if lay.pp > 1 else norm + (0 if m.tie_embeddings else head))

@@ -58,9 +58,9 @@ def attention_params(m: ModelSpec) -> int:
     return weights + (2 * h + 2 * kv if m.flavor in ("gpt2", "bert") else 0)
 
 
-def mlp_params(m: ModelSpec) -> int:
-    """One dense MLP: GELU 2·h·f + f + h (gpt2) or SwiGLU 3·h·f (llama, no biases)."""
-    h, f = m.d_model, m.d_ff
+def mlp_params(m: ModelSpec, width: int | None = None) -> int:
+    """One dense MLP of inner ``width`` (default d_ff): GELU 2·h·f + f + h (gpt2, bert) or SwiGLU 3·h·f (llama)."""
+    h, f = m.d_model, m.d_ff if width is None else width
     return 2 * h * f + f + h if m.flavor in ("gpt2", "bert") else 3 * h * f
 
 
@@ -72,17 +72,18 @@ def norm_params(m: ModelSpec) -> int:
 def count_params(m: ModelSpec) -> ParamCount:
     """Exact parameter count of ``shardwise.model.Transformer`` for ``m``, by component."""
     layers = m.n_layers
-    experts = max(1, m.n_experts)
-    active = min(m.moe_top_k, m.n_experts) if m.n_experts else 1
+    moe = m.n_layers // m.moe_every if m.n_experts else 0  # shardwise.model.moe.is_moe_layer
+    shared = mlp_params(m, m.moe_shared * m.d_ff) if m.moe_shared else 0
+    dense = (layers - moe) * mlp_params(m)
     return ParamCount(
         embedding=m.vocab_size * m.d_model,
         position=m.max_seq_len * m.d_model if m.flavor in ("gpt2", "bert") else 0,
         attention=layers * attention_params(m),
-        mlp=layers * experts * mlp_params(m),
-        router=layers * m.d_model * m.n_experts if m.n_experts else 0,
+        mlp=dense + moe * (m.n_experts * mlp_params(m) + shared),
+        router=moe * m.d_model * m.n_experts,
         norms=(2 * layers + 1) * norm_params(m),
         head=0 if m.tie_embeddings else m.vocab_size * m.d_model,
-        mlp_active=layers * active * mlp_params(m),
+        mlp_active=dense + moe * (min(m.moe_top_k, m.n_experts) * mlp_params(m) + shared),
     )
 
 

@@ -36,9 +36,14 @@ class ModelSpec:
     tie_embeddings: bool
     dropout: float = 0.0
     n_experts: int = 0
-    """Experts per MoE block (0 = dense MLP). Planner-only: set with ``--model.n_experts``."""
+    """Experts per MoE block (0 = dense MLP): ``model.n_experts``."""
     moe_top_k: int = 2
     """Experts each token is routed to."""
+    moe_every: int = 1
+    """Every k-th block is MoE (the others dense); the parameter count honours it, the memory and
+    communication models assume every block is MoE."""
+    moe_shared: int = 0
+    """Shared experts (one MLP of moe_shared * d_ff) in each MoE block; counted as always active."""
 
     @property
     def head_dim(self) -> int:
@@ -106,15 +111,18 @@ def resolved_model(cfg: Config) -> ModelConfig:
     return m
 
 
-def model_spec(cfg: Config, n_experts: int = 0, moe_top_k: int = 2) -> ModelSpec:
-    """The shapes of :func:`resolved_model` (plus the planner-only experts)."""
+def model_spec(cfg: Config, n_experts: int | None = None, moe_top_k: int | None = None) -> ModelSpec:
+    """The shapes of :func:`resolved_model`; ``n_experts`` / ``moe_top_k`` override the config's."""
     m = resolved_model(cfg)
+    n_experts = m.n_experts if n_experts is None else n_experts
+    moe_top_k = m.moe_top_k if moe_top_k is None else moe_top_k
     if n_experts < 0 or (n_experts and not 1 <= moe_top_k <= n_experts):
         raise ConfigError(f"model.moe_top_k={moe_top_k} must be in [1, model.n_experts={n_experts}]")
     return ModelSpec(
         flavor=m.flavor, n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
         d_ff=m.d_ff, vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, tie_embeddings=bool(m.tie_embeddings),
-        dropout=m.dropout, n_experts=n_experts, moe_top_k=moe_top_k,
+        dropout=m.dropout, n_experts=n_experts, moe_top_k=moe_top_k, moe_every=m.moe_every,
+        moe_shared=m.moe_shared,
     )
 
 
@@ -145,9 +153,10 @@ def _tokenizer_vocab(cfg: Config) -> int | None:
 
 
 def model_config_of(spec: ModelSpec) -> ModelConfig:
-    """A fully resolved ``ModelConfig`` for ``spec`` (dense models only), e.g. to build ``Transformer``."""
+    """A fully resolved ``ModelConfig`` for ``spec``, e.g. to build ``Transformer``."""
     return ModelConfig(
         preset="custom", flavor=spec.flavor, n_layers=spec.n_layers, d_model=spec.d_model, n_heads=spec.n_heads,
         n_kv_heads=spec.n_kv_heads, d_ff=spec.d_ff, vocab_size=spec.vocab_size, max_seq_len=spec.max_seq_len,
-        tie_embeddings=spec.tie_embeddings, dropout=spec.dropout,
+        tie_embeddings=spec.tie_embeddings, dropout=spec.dropout, n_experts=spec.n_experts,
+        moe_top_k=spec.moe_top_k, moe_every=spec.moe_every, moe_shared=spec.moe_shared,
     )

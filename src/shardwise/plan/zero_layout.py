@@ -58,8 +58,6 @@ def model_params(spec: ModelSpec) -> list[ParamEntry]:
 
     from shardwise.model.transformer import Transformer
 
-    if spec.n_experts:
-        raise ValueError("the exact ZeRO layout is known for dense models only (the trainer has no MoE yet)")
     with torch.device("meta"):
         model = Transformer(model_config_of(spec))
     out = []

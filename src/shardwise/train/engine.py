@@ -40,14 +40,15 @@ from shardwise.model import Transformer
 from shardwise.model.transformer import initial_value
 from shardwise.parallel.context import pop_attention_work
 from shardwise.parallel.data import DataParallel
+from shardwise.parallel.expert import step_metrics as moe_step_metrics
 from shardwise.parallel.grad_norm import clip_grad_norm
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import Pipeline, build_stage, partition
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces
 from shardwise.parallel.zero.meta import materialize_buffers
+from shardwise.train import expert_state, tp_state
 from shardwise.train import memory as train_memory
-from shardwise.train import tp_state
 from shardwise.train.checkpoint import CheckpointError
 from shardwise.train.optim import build_optimizer, decay_groups, optimizer_param_names
 from shardwise.train.precision import DynamicLossScaler, autocast_context
@@ -103,6 +104,7 @@ class Engine:
         self.tp_rank = mesh.rank("tp")
         self.tp_group = mesh.group("tp") if mesh.size("tp") > 1 else None
         self.pp_group = mesh.group("pp") if p.pp > 1 else None
+        self.ep_group = mesh.group("ep") if mesh.size("ep") > 1 else None  # experts split: norm and state
         torch.manual_seed(cfg.train.seed)
         # 1. model parts (the pipeline cuts first), 2. techniques applied to each part
         self.parts = self._build_parts()
@@ -157,7 +159,8 @@ class Engine:
         p = self.cfg.parallel
         if not self.zero:
             return DataParallel(self.module, group=self.group, bucket_mb=p.bucket_mb,
-                                all_reduce_fn=gradient_all_reduce(self.cfg.comm, self.ledger["dp"]))
+                                all_reduce_fn=gradient_all_reduce(self.cfg.comm, self.ledger["dp"]),
+                                expert_group=self.mesh.group("edp") if self.ep_group is not None else None)
         return ZeroDataParallel(self.module, group=self.group, stage=p.zero, bucket_mb=p.bucket_mb,
                                 unit_blocks=p.zero_unit, offload=p.offload,
                                 param_dtype=torch.bfloat16 if p.zero_param_dtype == "bf16" else None,
@@ -178,7 +181,7 @@ class Engine:
 
     def describe(self) -> str:
         p = self.cfg.parallel
-        out = f"dp={self.mesh.dp_size}"
+        out = f"dp={self.mesh.dp_size}" + (f" (ep={p.ep})" if self.ep_group is not None else "")
         if self.tp_group is not None:
             out += f" x tp={p.tp}" + (" (sequence parallel)" if p.sequence_parallel else "")
         if self.mesh.size("cp") > 1:
@@ -203,7 +206,8 @@ class Engine:
         pieces = self.wrapper.grad_pieces()
         found_inf = scaler.unscale_grads_([g for g, _ in pieces], group=dist.group.WORLD) if scaler else False
         norm = clip_grad_norm(pieces, max_norm, tp_group=self.tp_group, shard_group=self.wrapper.shard_group,
-                              pp_group=self.pp_group, skip=self._counted_elsewhere(), device=self.device)
+                              pp_group=self.pp_group, ep_group=self.ep_group, skip=self._counted_elsewhere(),
+                              device=self.device)
         return found_inf, norm
 
     def _counted_elsewhere(self) -> frozenset[int]:
@@ -226,8 +230,9 @@ class Engine:
         return self.ledger.pop_metrics()
 
     def step_metrics(self) -> dict[str, float]:
-        """The schedule's (a pipeline's bubble) and the context-parallel attention work of the step."""
-        return {**self.schedule.step_metrics(), **pop_attention_work(self.module)}
+        """The schedule's (a pipeline's bubble), the context-parallel attention work and the experts' load."""
+        return {**self.schedule.step_metrics(), **pop_attention_work(self.module),
+                **moe_step_metrics(self.module, self.group)}
 
     def write_timeline(self, run_dir: Path, step: int) -> None:
         self.schedule.write_timeline(run_dir, step)
@@ -247,12 +252,13 @@ class Engine:
             pieces = zero_checkpoint_pieces(self.wrapper, self.optimizer, with_buffers=first and self.tp_rank == 0,
                                             ref_map=lambda i: self.order.ref[i])
             return pieces, groups
-        if not first:
-            return [], groups
         local = [p for g in self.optimizer.param_groups for p in g["params"]]
         state = self.optimizer.state_dict()["state"]
         params = {self.order.ref[i]: p for i, p in enumerate(local)}
         moments = {self.order.ref[i]: st for i, st in state.items()}
+        if not first:  # with experts split over ep: the first ep group writes its experts
+            ep_writer = self.ep_group is not None and self.mesh.rank("edp") == 0
+            return (expert_state.expert_pieces(self.module, params, moments) if ep_writer else []), groups
         return ([piece for part in self.parts for piece in tp_state.model_pieces(part, self.tp_rank)]
                 + tp_state.optimizer_pieces(params, moments, self.tp_rank)), groups
 
@@ -285,6 +291,8 @@ class Engine:
     def final_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights (a collective): on every rank when each holds the whole model (pp = tp
         = 1), else on global rank 0, assembled from every stage's and tensor-parallel rank's pieces."""
+        if self.ep_group is not None:
+            return expert_state.gather_full_state(self.module, self.mesh.dp_rank, self.mesh.rank("edp"), self.tp_rank)
         state = self.wrapper.state_dict() if self.zero else None  # ZeRO: gathered over the group
         if self.tp_group is None and self.pp_group is None:
             return state if state is not None else self.module.state_dict()

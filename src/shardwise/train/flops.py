@@ -23,13 +23,16 @@ __all__ = ["GPU_PEAK_FLOPS", "training_flops_per_token", "peak_flops", "measure_
 
 
 def training_flops_per_token(model_cfg: ModelConfig, seq_len: int | None = None) -> float:
-    """6·N + 12·L·d·T for a resolved ``ModelConfig`` (see :func:`shardwise.plan.flops.flops_per_token`);
+    """6·N + 12·L·d·T for a resolved ``ModelConfig``, N the parameters one token uses (with experts: its
+    top-k) (see :func:`shardwise.plan.flops.flops_per_token`);
     the planner counts the parameters exactly from the config (an untied head once, as the vocabulary
     projection). ``seq_len`` defaults to ``model_cfg.max_seq_len``."""
     spec = ModelSpec(
         flavor=model_cfg.flavor, n_layers=model_cfg.n_layers, d_model=model_cfg.d_model, n_heads=model_cfg.n_heads,
         n_kv_heads=model_cfg.n_kv_heads or model_cfg.n_heads, d_ff=model_cfg.d_ff, vocab_size=model_cfg.vocab_size,
         max_seq_len=model_cfg.max_seq_len, tie_embeddings=bool(model_cfg.tie_embeddings),
+        n_experts=model_cfg.n_experts or 0, moe_top_k=model_cfg.moe_top_k, moe_every=model_cfg.moe_every,
+        moe_shared=model_cfg.moe_shared,
     )
     return flops_per_token(spec, seq_len if seq_len is not None else model_cfg.max_seq_len)
 

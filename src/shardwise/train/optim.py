@@ -30,7 +30,8 @@ def decay_groups(named_parameters: Iterable[tuple[str, nn.Parameter]]) -> tuple[
             continue
         seen.add(id(param))
         params[name] = param
-        (decay if param.dim() >= 2 and "pos_emb" not in name else no_decay).append(name)
+        matrix = param.dim() >= 2 and "pos_emb" not in name and not name.endswith("bias")  # experts' biases: [E, out]
+        (decay if matrix else no_decay).append(name)
     return decay, no_decay, params
 
 

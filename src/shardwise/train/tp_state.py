@@ -25,8 +25,11 @@ from shardwise.train.sharded import Piece
 
 
 def shard_info(t: torch.Tensor):
-    """The tensor's :class:`TPShard`, or ``None`` for a tensor that is not laid out over tp."""
-    return getattr(t, "tp_shard", None)
+    """The tensor's :class:`TPShard` over ep (``p.ep_shard``, an expert-parallel shard,
+    :mod:`shardwise.parallel.expert`; whole on every tp rank, tp rank 0 its owner) or over tp
+    (``p.tp_shard``), or ``None`` for a tensor that is whole on this rank."""
+    info = getattr(t, "ep_shard", None)
+    return getattr(t, "tp_shard", None) if info is None else info
 
 
 def slice_pieces(key: str, local: torch.Tensor, info) -> list[Piece]:
@@ -122,8 +125,12 @@ def gather_full_state(modules: nn.Module | list[nn.Module], tp_rank: int, active
     collective over the world; ranks with ``active=False``, e.g. data-parallel replicas, contribute
     nothing. For tests and tools."""
     modules = modules if isinstance(modules, list) else [modules]
-    mine = [(p.key, p.start, p.values.cpu(), p.shape) for m in modules for p in model_pieces(m, tp_rank, state)] \
-        if active else []
+    return gather_pieces([p for m in modules for p in model_pieces(m, tp_rank, state)] if active else [], dst)
+
+
+def gather_pieces(pieces: list[Piece], dst: int = 0) -> dict[str, torch.Tensor]:
+    """The whole tensors on global rank ``dst`` from every rank's ``model/...`` pieces (a collective over the world)."""
+    mine = [(p.key, p.start, p.values.cpu(), p.shape) for p in pieces]
     out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(mine, out, dst=dst)
     full: dict[str, torch.Tensor] = {}

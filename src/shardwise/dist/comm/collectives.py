@@ -309,6 +309,25 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     return output
 
 
+def all_to_all_v(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                 group=None, algorithm: str = "pairwise", *, timeout_s=None, stats: CommStats | None = None):
+    """All-to-all with uneven blocks along dim 0: rows ``input_splits[j]`` of ``input`` go to rank j, which
+    receives them as block i (``output_splits[i]`` rows) of its ``output``. The split sizes must agree across
+    ranks (exchange them first). "pairwise" as :func:`all_to_all`; "native": ``all_to_all_single`` with splits."""
+    c = _start("all_to_all", algorithm, group, input, "", False, timeout_s, None, stats)
+    _check_len(c.name, len(input_splits), c.size, "input_splits")
+    _check_len(c.name, len(output_splits), c.size, "output_splits")
+    if algorithm == "native":
+        dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
+        return output
+    n, r = c.size, c.me
+    ins, outs = input.split(input_splits), output.split(output_splits)
+    outs[r].copy_(ins[r])
+    for s in range(1, n):
+        exchange(c, ins[(r + s) % n].contiguous(), (r + s) % n, outs[(r - s) % n], (r - s) % n)
+    return output
+
+
 def barrier(group=None, algorithm: str = "dissemination", *, timeout_s=None, stats: CommStats | None = None) -> None:
     """No rank leaves before every rank has entered. "dissemination": ceil(log2 N) rounds; in
     round k rank r signals r + 2^k and waits for r - 2^k (Hensgen, Finkel & Manber 1988)."""

@@ -1,0 +1,283 @@
+"""Mixture-of-experts feed-forward block, as plain single-device code.
+
+A router scores each token against ``E`` experts; the token goes to its ``k`` best experts and the
+block's output is the sum of those experts' outputs weighted by their router probabilities
+(Shazeer et al. 2017, "Outrageously Large Neural Networks", §2; Fedus et al. 2022, "Switch
+Transformers", eq. 1-2; Jiang et al. 2024, "Mixtral of Experts", §2.1). Experts are the flavour's
+MLP (GELU for gpt2, SwiGLU for llama); ``shared`` experts, which every token passes through, are one
+MLP of ``n_shared * d_ff`` width (Dai et al. 2024, "DeepSeekMoE", §3.2: shared experts concatenated).
+
+Routing, exactly (:func:`route`):
+
+* router logits ``z = h W_r`` (fp32), probabilities ``p = softmax(z)``, the top-k experts of each
+  token and their *un-normalised* probabilities as gates (Switch eq. 2, generalised to k);
+* a token's k choices are *slots*; slots are ordered choice-major (every token's first choice,
+  in token order, then every second choice, ...), so first choices have priority (GShard, Lepikhin
+  et al. 2021, §2.2, Algorithm 1);
+* capacity ``C = ceil(cf * k * N / E)`` for ``N`` tokens (Switch §2.2, "expert capacity"); a slot
+  whose position among the earlier slots of its expert is ``>= C`` is dropped (contributes zero; the
+  token keeps its residual). ``cf = 0``: no capacity, nothing dropped ("dropless", Gale et al. 2023,
+  "MegaBlocks").
+
+Auxiliary losses, added to the training loss by the model (``Transformer.forward``, training mode):
+
+* load balancing (Switch eq. 4): ``aux_coeff * E * sum_i f_i P_i`` with ``f_i`` the fraction of slots
+  routed to expert ``i`` (before drops; ``sum f = 1``) and ``P_i`` the mean router probability of ``i``;
+  uniform routing gives exactly ``aux_coeff``;
+* router z-loss (Zoph et al. 2022, "ST-MoE", eq. 5): ``z_coeff * mean_n (log sum_j exp z_nj)^2``.
+
+Experts compute *expert-major*: the kept slots are sorted by expert, each expert runs one matmul on
+its contiguous run of tokens (:meth:`Experts.forward` takes the tokens and the count per expert), and
+the outputs are scattered back weighted by the gates (:func:`combine`). Expert parallelism replaces
+``Experts`` from outside (:mod:`shardwise.parallel.expert`) by one that moves the runs by all-to-all.
+
+Expert weights are stacked ``[E, out, in]`` tensors (``experts.fc_in.weight``...), initialised from
+(seed, name, full shape) like every parameter, so a rank holding experts ``a..b`` slices them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.model.layers import GeluMLP, SwiGLU
+
+
+def capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int | None:
+    """Slots each expert keeps: ``ceil(factor * top_k * n_tokens / n_experts)`` (Switch §2.2); ``None``
+    (unbounded) for ``factor == 0``. E.g. 16 tokens, k=2, E=8: 4 at factor 1, 5 at 1.25."""
+    if factor <= 0:
+        return None
+    return math.ceil(factor * top_k * n_tokens / n_experts)
+
+
+def is_moe_layer(layer_id: int, n_experts: int, every: int) -> bool:
+    """Whether block ``layer_id`` has an MoE feed-forward: every ``every``-th block, the last of each run
+    (``every=2``: blocks 1, 3, 5, ... as in GShard's every-other-layer placement)."""
+    return n_experts > 0 and layer_id % every == every - 1
+
+
+class ExpertLinear(nn.Module):
+    """``E`` independent linear maps in one tensor: ``weight [E, out, in]``, ``bias [E, out]``."""
+
+    def __init__(self, n: int, d_in: int, d_out: int, *, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, d_out, d_in))
+        self.bias = nn.Parameter(torch.empty(n, d_out)) if bias else None
+
+    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return F.linear(x, self.weight[e], None if self.bias is None else self.bias[e])
+
+    def extra_repr(self) -> str:
+        n, out, d_in = self.weight.shape
+        return f"experts={n}, in={d_in}, out={out}, bias={self.bias is not None}"
+
+
+class Experts(nn.Module):
+    """``n`` feed-forward experts of the flavour's kind, run expert-major on sorted tokens."""
+
+    def __init__(self, n: int, d_model: int, d_ff: int, flavor: str):
+        super().__init__()
+        self.n_local, self.flavor = n, flavor
+        if flavor == "gpt2":
+            self.fc_in = ExpertLinear(n, d_model, d_ff, bias=True)
+            self.fc_out = ExpertLinear(n, d_ff, d_model, bias=True)
+        else:
+            self.gate_proj = ExpertLinear(n, d_model, d_ff, bias=False)
+            self.up_proj = ExpertLinear(n, d_model, d_ff, bias=False)
+            self.down_proj = ExpertLinear(n, d_ff, d_model, bias=False)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` (a local index) on tokens ``x [n, d_model]``."""
+        if self.flavor == "gpt2":
+            return self.fc_out(F.gelu(self.fc_in(x, e), approximate="tanh"), e)
+        return self.down_proj(F.silu(self.gate_proj(x, e)) * self.up_proj(x, e), e)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Tokens ``x`` sorted by expert, ``counts[e]`` of them for expert ``e``: the outputs in the same order."""
+        outs = [self.expert(e, chunk) for e, chunk in enumerate(x.split(counts)) if chunk.shape[0]]
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+
+
+@dataclass
+class Routing:
+    """Where each kept slot goes, in expert-major order (every tensor ``[kept slots]`` unless said)."""
+
+    token: torch.Tensor
+    """The token (row of the flattened input) of each kept slot, sorted by expert."""
+    gate: torch.Tensor
+    """Its gate (router probability), in the same order."""
+    counts: torch.Tensor
+    """``[E]``: kept slots per expert."""
+    routed: torch.Tensor
+    """``[E]``: slots the router sent to each expert before the capacity drops."""
+    dropped: int
+    """Slots dropped by the capacity."""
+
+
+def route(probs: torch.Tensor, top_k: int, capacity_factor: float) -> Routing:
+    """Top-k routing of ``probs [N, E]`` with capacity drops, exactly as the module docstring says."""
+    n, e = probs.shape
+    gates, experts = probs.topk(top_k, dim=-1)  # [N, k]
+    slot_expert = experts.t().reshape(-1)  # choice-major: slot j*N + t
+    slot_gate = gates.t().reshape(-1)
+    slot_token = torch.arange(n, device=probs.device).repeat(top_k)
+    routed = torch.bincount(slot_expert, minlength=e)
+    cap = capacity(n, top_k, e, capacity_factor)
+    if cap is not None:
+        onehot = F.one_hot(slot_expert, e)
+        position = (onehot.cumsum(0) - 1).gather(1, slot_expert[:, None]).squeeze(1)
+        keep = position < cap
+        slot_expert, slot_gate, slot_token = slot_expert[keep], slot_gate[keep], slot_token[keep]
+    order = torch.sort(slot_expert, stable=True).indices
+    counts = torch.bincount(slot_expert, minlength=e)
+    return Routing(slot_token[order], slot_gate[order], counts, routed, int(n * top_k - slot_expert.numel()))
+
+
+def combine(y: torch.Tensor, routing: Routing, n_tokens: int) -> torch.Tensor:
+    """Scatter the experts' outputs ``y`` (expert-major, one row per kept slot) back to ``[N, d]``,
+    each weighted by its gate and summed over the token's slots."""
+    weighted = y * routing.gate[:, None].to(y.dtype)
+    return y.new_zeros(n_tokens, y.shape[-1]).index_add(0, routing.token, weighted)
+
+
+def load_balancing_loss(probs: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer eq. 4 without its coefficient: ``E * sum_i f_i P_i``; ``f_i = routed_i / sum routed``
+    (a constant), ``P_i`` the mean of ``probs [N, E]`` over tokens."""
+    e = probs.shape[-1]
+    f = routed.to(probs.dtype) / routed.sum().clamp(min=1)
+    return e * (f * probs.mean(0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE eq. 5 without its coefficient: the mean over tokens of ``(log sum_j exp z_j)^2``."""
+    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+
+
+class MoEStats:
+    """Per-step sums of what the router did (training forwards only), popped once per step."""
+
+    def __init__(self, n_experts: int):
+        self.n_experts = n_experts
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens = torch.zeros(self.n_experts, dtype=torch.float64, device="cpu")
+        self.slots = self.dropped = 0
+        self.aux: list[torch.Tensor] = []
+        self.z: list[torch.Tensor] = []
+
+    @property
+    def calls(self) -> int:
+        return len(self.aux)
+
+    def add(self, routing: Routing, aux: torch.Tensor, z: torch.Tensor) -> None:
+        self.tokens += routing.counts.detach().double().cpu()
+        self.slots += int(routing.routed.sum())
+        self.dropped += routing.dropped
+        self.aux.append(aux.detach())
+        self.z.append(z.detach())
+
+    def totals(self) -> tuple[float, float]:
+        """The summed unweighted aux and z losses."""
+        return float(torch.stack(self.aux).sum()), float(torch.stack(self.z).sum())
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts feed-forward: router, ``n_experts`` routed experts, optional shared experts.
+
+    ``forward(x [B, T, d]) -> [B, T, d]``. After a forward, ``self.aux_loss`` holds the weighted sum
+    of the load-balancing and z losses of that forward (a scalar with a graph), and ``self.last``
+    the routing and the two unweighted losses, for the model to add and record.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, flavor: str, n_experts: int, top_k: int, *, n_shared: int = 0,
+                 capacity_factor: float = 0.0, aux_coeff: float = 0.0, z_coeff: float = 0.0):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"model.moe_top_k={top_k} must be in 1..model.n_experts={n_experts}")
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.aux_coeff, self.z_coeff = aux_coeff, z_coeff
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.experts = Experts(n_experts, d_model, d_ff, flavor)
+        gpt2 = flavor == "gpt2"
+        width = n_shared * d_ff
+        self.shared = None if not n_shared else (GeluMLP(d_model, width) if gpt2 else SwiGLU(d_model, width))
+        self.aux_loss: torch.Tensor | None = None
+        self.last: tuple[Routing, torch.Tensor, torch.Tensor] | None = None
+        self.stats = MoEStats(n_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        logits = self.router(h).float()
+        probs = logits.softmax(dim=-1)
+        routing = route(probs, self.top_k, self.capacity_factor)
+        y = self.experts(h[routing.token], routing.counts.tolist())
+        out = combine(y, routing, h.shape[0]).to(x.dtype)
+        if self.shared is not None:
+            out = out + self.shared(h)
+        aux, z = load_balancing_loss(probs, routing.routed), router_z_loss(logits)
+        self.aux_loss = self.aux_coeff * aux + self.z_coeff * z
+        self.last = (routing, aux, z)
+        return out.view(shape)
+
+    def record(self) -> None:
+        """Add the last forward's routing to :attr:`stats` (the model calls it once per training forward)."""
+        if self.last is not None:
+            self.stats.add(*self.last)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.n_experts}, top_k={self.top_k}, capacity_factor={self.capacity_factor}, "
+                f"aux_coeff={self.aux_coeff}, z_coeff={self.z_coeff}")
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """The sum of the weighted auxiliary losses of the last forward of every MoE block (``None``: none)."""
+    losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+def pop_moe_totals(model: nn.Module) -> torch.Tensor | None:
+    """This step's router sums over every MoE block of ``model`` as one fp64 vector (summable over ranks),
+    and reset: kept slots per (block, expert), then routed slots, dropped slots, the unweighted aux and z
+    losses summed over forwards, and the number of forwards. ``None`` without MoE blocks."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    aux = sum((m.stats.totals()[0] for m in layers if m.stats.calls), 0.0)
+    z = sum((m.stats.totals()[1] for m in layers if m.stats.calls), 0.0)
+    tail = [sum(m.stats.slots for m in layers), sum(m.stats.dropped for m in layers), aux, z,
+            sum(m.stats.calls for m in layers)]
+    out = torch.cat([torch.cat([m.stats.tokens for m in layers]), torch.tensor(tail, dtype=torch.float64)])
+    for m in layers:
+        m.stats.reset()
+    return out
+
+
+def moe_metrics(totals: torch.Tensor) -> dict[str, float]:
+    """Metrics from :func:`pop_moe_totals` (possibly summed over data-parallel ranks): ``moe_aux_loss`` /
+    ``moe_z_loss`` (unweighted, mean over blocks and forwards), ``moe_tokens_per_expert_{min,max,mean}``
+    (kept slots per expert and block in the step) and ``moe_dropped_frac`` (dropped / routed slots)."""
+    tokens, (slots, dropped, aux, z, calls) = totals[:-5], totals[-5:].tolist()
+    if not calls:
+        return {}
+    return {
+        "moe_aux_loss": aux / calls, "moe_z_loss": z / calls,
+        "moe_tokens_per_expert_min": float(tokens.min()), "moe_tokens_per_expert_max": float(tokens.max()),
+        "moe_tokens_per_expert_mean": float(tokens.mean()), "moe_dropped_frac": dropped / max(slots, 1.0),
+    }
+
+
+def pop_moe_metrics(model: nn.Module) -> dict[str, float]:
+    """This rank's router metrics of the step (:func:`moe_metrics`), and reset; empty without MoE blocks."""
+    totals = pop_moe_totals(model)
+    return {} if totals is None else moe_metrics(totals)

@@ -1,0 +1,145 @@
+"""Mixture of experts and expert parallelism in the trainer: the same model as one process.
+
+The tiny MoE GPT (4 experts, top-2, every block) trains for a few steps on the global batch of
+tests/test_train.py. The auxiliary losses are nonlinear in the set of tokens a router sees at once, so
+the single-process reference accumulates the same micro-batches the data-parallel ranks hold
+(``train.micro_batch`` = global batch / dp); losses and final weights (gathered from the expert
+shards) agree within 1e-5 (fp32; all-to-all regrouping changes the order of additions).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_train import assert_same_training, run
+
+MOE = {"model.preset": "tiny-moe", "train.steps": 3}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir):
+    """One process, accumulating micro-batches of 4 and of 2 (the shares of dp 2 and dp 4)."""
+    tmp = tmp_path_factory.mktemp("ref-moe")
+    return {dp: run(tmp, cache_dir, f"ref{dp}", 1, **MOE, **{"train.micro_batch": 8 // dp}) for dp in (2, 4)}
+
+
+@pytest.mark.parametrize("name,nproc,overrides", [
+    ("ep2", 2, {"parallel.ep": 2}),
+    ("ep4", 4, {"parallel.ep": 4}),
+    ("ep2-dp4", 4, {"parallel.ep": 2}),
+    ("ep2-ours", 2, {"parallel.ep": 2, "comm.algorithm": "ring"}),
+    ("zero3-ep1", 2, {"parallel.zero": 3}),  # experts not split: ZeRO-3 shards them like any weight
+    ("ep2-recompute", 2, {"parallel.ep": 2, "train.recompute": "full"}),  # all-to-alls rerun in backward
+])
+def test_expert_parallel_equals_one_process(reference, tmp_path, cache_dir, name, nproc, overrides):
+    result = run(tmp_path, cache_dir, name, nproc, **MOE, **overrides)
+    assert_same_training(result, reference[nproc], atol=1e-5)
+
+
+def test_capacity_drops_are_the_same_on_one_rank_and_ep2(tmp_path, cache_dir):
+    """With a capacity factor each rank drops the overflow of its own micro-batch before dispatch, exactly as
+    the single process drops it from the same micro-batch: the same tokens are dropped, the same model trains."""
+    cf = {**MOE, "model.moe_capacity_factor": 1.0}
+    ref = run(tmp_path, cache_dir, "cf-ref", 1, **cf, **{"train.micro_batch": 4})
+    ep = run(tmp_path, cache_dir, "cf-ep2", 2, **cf, **{"parallel.ep": 2})
+    assert_same_training(ep, ref, atol=1e-5)
+    dropped = [m["moe_dropped_frac"] for m in read_metrics(tmp_path / "cf-ep2")]
+    assert all(0 < d < 1 for d in dropped), dropped
+    assert dropped == pytest.approx([m["moe_dropped_frac"] for m in read_metrics(tmp_path / "cf-ref")], abs=1e-9)
+    assert len(dropped) == 3
+
+
+def test_llama_experts_with_shared_expert_ep2(tmp_path, cache_dir):
+    """SwiGLU experts, a shared expert and MoE on every other block, at ep 2."""
+    llama = {"model.preset": "tiny-llama", "model.n_experts": 4, "model.moe_shared": 1, "model.moe_every": 2,
+             "train.steps": 3}
+    ref = run(tmp_path, cache_dir, "llama-ref", 1, **llama, **{"train.micro_batch": 4})
+    ep = run(tmp_path, cache_dir, "llama-ep2", 2, **llama, **{"parallel.ep": 2})
+    assert_same_training(ep, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("nproc,overrides", [(2, {}), (4, {"parallel.tp": 2})], ids=["ep2", "ep2-tp2"])
+def test_ep2_checkpoint_resumes_on_one_process(reference, tmp_path, cache_dir, nproc, overrides):
+    """Checkpoints hold the single-process state: an ep-2 run stopped after 2 steps goes on in one process."""
+    ckpt = {**MOE, "ckpt.every": 2}
+    run(tmp_path, cache_dir, "switch", nproc, stop_after=2, **ckpt, **{"parallel.ep": 2, **overrides})
+    resumed = run(tmp_path, cache_dir, "switch", 1, **ckpt, **{"train.micro_batch": 4, "ckpt.resume": "true"})
+    losses, state = reference[2]
+    assert_same_training(resumed, (losses[2:], state), atol=1e-5)
+
+
+def read_metrics(run_dir):
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "moe_dropped_frac" in r]
+
+
+def test_ep_bytes_are_counted_where_sent(tmp_path, cache_dir):
+    """ep_sent_bytes per step, measured by the counting layer at each all-to-all, against the planner
+    (plan --compare). Per MoE block and micro-batch a rank hands over: the n_experts int64 split sizes, its
+    own micro_batch * seq * top_k routed rows twice (dispatch forward, combine backward) and the R rows its
+    experts received twice (combine forward, dispatch backward). R depends on the routing: the planner
+    predicts its mean over the ep group (R = micro_batch * seq * top_k), so the measured bytes minus the
+    exactly known part are a whole number of received rows, between 0 and ep times the balanced count.
+    The data-parallel all-reduces (dense over dp, experts over their replicas) are predicted exactly."""
+    from shardwise.config import Config
+    from shardwise.plan.compare import measured_for_run, predicted_for_run
+
+    run(tmp_path, cache_dir, "bytes", 4, **{**MOE, "train.steps": 2, "parallel.ep": 2})
+    cfg = Config.load(tmp_path / "bytes" / "config.toml")
+    pred, meas = predicted_for_run(cfg), measured_for_run(tmp_path / "bytes")
+    layers, rows, row_bytes, ep = cfg.model.n_layers, 2 * 32 * 2, 64 * 4, 2
+    known = layers * (8 * 4 + 2 * rows * row_bytes)
+    assert pred["ep_sent_bytes"] == known + layers * 2 * rows * row_bytes  # balanced routing
+    received, rest = divmod(meas["ep_sent_bytes"] - known, 2 * row_bytes)
+    assert rest == 0 and 0 <= received <= layers * ep * rows
+    assert pred["comm_bytes"] - pred["ep_sent_bytes"] == meas["dp_sent_bytes"]
+    for key in ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes"):  # experts' memory per rank under ep
+        assert pred[key] == meas[key], key
+
+
+
+def test_ep2_with_tp2_equals_one_process(reference, tmp_path, cache_dir):
+    """4 ranks as tp 2 x dp 2, experts split over ep 2: attention and the head are tensor-parallel, each MoE
+    block is whole on both tp ranks (same tokens, same routing) with its experts split over ep."""
+    result = run(tmp_path, cache_dir, "ep2-tp2", 4, **MOE, **{"parallel.tp": 2, "parallel.ep": 2})
+    assert_same_training(result, reference[2], atol=1e-5)
+
+
+def _experts_on_two_ranks(counts: list[int]):
+    """ExpertParallel over the 2-rank world against the single-device Experts on both ranks' tokens."""
+    import torch
+    import torch.distributed as dist
+
+    from shardwise.model.moe import Experts
+    from shardwise.parallel.expert import ExpertParallel
+
+    torch.manual_seed(0)
+    full = Experts(4, 8, 16, "gpt2")
+    for p in full.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    xs = [torch.randn(sum(counts), 8) for _ in range(2)]  # every rank's tokens, the same everywhere
+    ref = [full(x.requires_grad_(), counts) for x in xs]
+    sum(r.pow(2).sum() for r in ref).backward()
+    ep = ExpertParallel(full, dist.group.WORLD)
+    mine = xs[dist.get_rank()].detach().requires_grad_()
+    y = ep(mine, counts)
+    y.pow(2).sum().backward()
+    torch.testing.assert_close(y, ref[dist.get_rank()].detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mine.grad, xs[dist.get_rank()].grad, atol=1e-5, rtol=1e-5)
+    rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+    for (_, p), (_, q) in zip(ep.named_parameters(), full.named_parameters(), strict=True):
+        if q.grad[rows].abs().sum() == 0:
+            assert p.grad is None or p.grad.abs().sum() == 0
+        else:
+            torch.testing.assert_close(p.grad, q.grad[rows], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("counts", [[3, 1, 2, 2], [5, 3, 0, 0]], ids=["spread", "rank1-idle"])
+def test_dispatch_and_combine_by_all_to_all_equal_one_device(counts):
+    """Outputs, input gradients and expert gradients as the single-device experts give them, also when one
+    rank's experts receive no token at all (its backward all-to-alls must still run, or the peer waits)."""
+    from tests.harness import run_on_ranks
+
+    run_on_ranks(2, _experts_on_two_ranks, counts)
