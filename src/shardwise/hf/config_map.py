@@ -124,6 +124,9 @@ def _bert_fields(hf: dict, where: str) -> dict[str, Any]:
 
 def hf_config(m, eos_id: int | None = None, bos_id: int | None = None) -> dict[str, Any]:
     """The ``config.json`` of a model with our resolved fields ``m`` (a ModelConfig)."""
+    if getattr(m, "n_experts", 0):
+        raise HFError(f"model.n_experts={m.n_experts}: mixture-of-experts models have no transformers export yet "
+                      "(the Mixtral mapping is not written); export a dense model")
     common = {"architectures": [ARCHITECTURES[m.flavor]], "model_type": m.flavor, "vocab_size": m.vocab_size,
               "tie_word_embeddings": bool(m.tie_embeddings), "torch_dtype": "float32",
               "bos_token_id": bos_id if bos_id is not None else eos_id, "eos_token_id": eos_id}

@@ -77,7 +77,10 @@ class ContextAttention:
         """A causal ``seq x seq`` attention over ``fraction`` of the heads (Ulysses)."""
         self.work += seq * seq / 2 * fraction / self._tile(seq // self.size)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is not None:  # the config refuses cp with the bert flavour (padding masks)
+            raise ValueError("context-parallel attention is causal: a padding mask cannot be applied")
         if not torch.is_grad_enabled():
             return self._attend(q, k, v)
         seen: set = set()
