@@ -169,15 +169,15 @@ def _work(cfg, run_dir, model, parts, codec, sampler, corpus, worker_group, log,
             loss, norm = worker.step(batches, tcfg.precision, asp=ps.consistency == "asp")
             done = step + 1
             losses.append(loss)
-            elapsed = time.perf_counter() - t0
-            metrics = {"loss": loss, "lr": lr_at(step, tcfg), "grad_norm": norm, "step_time_s": elapsed,
-                       "tokens_per_s": tcfg.micro_batch * tcfg.grad_accum * cfg.data.seq_len / elapsed,
-                       **worker.pop_metrics()}
+            metrics = {"loss": loss, "lr": lr_at(step, tcfg), "grad_norm": norm, **worker.pop_metrics()}
             if ps.consistency == "bsp":  # workers are in lock-step anyway: report the global batch's loss
                 mean = torch.tensor([loss], dtype=torch.float64)
                 protocol.wait(dist.all_reduce(mean, group=worker_group, async_op=True), cfg.parallel.timeout_s,
                               f"ps worker rank {rank}: the other workers' losses of step {done}")
                 metrics["loss"], metrics["worker_loss"] = float(mean) / n_workers, loss
+            elapsed = time.perf_counter() - t0  # with bsp the lock-step wait for the slowest worker included
+            metrics.update(step_time_s=elapsed,
+                           tokens_per_s=tcfg.micro_batch * tcfg.grad_accum * cfg.data.seq_len / elapsed)
             if tcfg.eval_every and done % tcfg.eval_every == 0 and done < tcfg.steps:
                 worker.pull(done)  # the weights the next step starts from
                 val = _evaluate(model, val_windows, tcfg, rank, n_workers, worker_group)
