@@ -30,6 +30,8 @@ def reference(tmp_path_factory, cache_dir):
     ("ep2-ours", 2, {"parallel.ep": 2, "comm.algorithm": "ring"}),
     ("zero3-ep1", 2, {"parallel.zero": 3}),  # experts not split: ZeRO-3 shards them like any weight
     ("ep2-recompute", 2, {"parallel.ep": 2, "train.recompute": "full"}),  # all-to-alls rerun in backward
+    ("ep2-zero1", 2, {"parallel.ep": 2, "parallel.zero": 1}),  # experts sliced over edp (1 rank), dense over dp
+    ("ep2-zero2-dp4", 4, {"parallel.ep": 2, "parallel.zero": 2}),  # experts sliced over their 2 replicas
 ])
 def test_expert_parallel_equals_one_process(reference, tmp_path, cache_dir, name, nproc, overrides):
     result = run(tmp_path, cache_dir, name, nproc, **MOE, **overrides)
@@ -58,13 +60,16 @@ def test_llama_experts_with_shared_expert_ep2(tmp_path, cache_dir):
     assert_same_training(ep, ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("nproc,overrides", [(2, {}), (4, {"parallel.tp": 2})], ids=["ep2", "ep2-tp2"])
-def test_ep2_checkpoint_resumes_on_one_process(reference, tmp_path, cache_dir, nproc, overrides):
-    """Checkpoints hold the single-process state: an ep-2 run stopped after 2 steps goes on in one process."""
+@pytest.mark.parametrize("nproc,dp,overrides", [(2, 2, {}), (4, 2, {"parallel.tp": 2}), (4, 4, {"parallel.zero": 1})],
+                         ids=["ep2", "ep2-tp2", "ep2-dp4-zero1"])
+def test_ep2_checkpoint_resumes_on_one_process(reference, tmp_path, cache_dir, nproc, dp, overrides):
+    """Checkpoints hold the single-process state: an ep-2 run stopped after 2 steps goes on in one process
+    (with ZeRO-1 every rank writes its slices: dense ones of the dp group's, its experts' of the edp group's)."""
     ckpt = {**MOE, "ckpt.every": 2}
     run(tmp_path, cache_dir, "switch", nproc, stop_after=2, **ckpt, **{"parallel.ep": 2, **overrides})
-    resumed = run(tmp_path, cache_dir, "switch", 1, **ckpt, **{"train.micro_batch": 4, "ckpt.resume": "true"})
-    losses, state = reference[2]
+    resumed = run(tmp_path, cache_dir, "switch", 1, **ckpt,
+                  **{"train.micro_batch": 8 // dp, "ckpt.resume": "true"})
+    losses, state = reference[dp]
     assert_same_training(resumed, (losses[2:], state), atol=1e-5)
 
 

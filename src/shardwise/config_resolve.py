@@ -422,9 +422,9 @@ def _resolve_experts(cfg: Config) -> None:
     if m.n_experts and p.pp > 1:
         raise ConfigError(f"model.n_experts={m.n_experts} with parallel.pp={p.pp}: the auxiliary router losses "
                           "are added at the last stage only (not composed yet); use parallel.pp=1")
-    if p.ep > 1 and p.zero:
-        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero={p.zero}: ZeRO does not shard expert weights "
-                          "over their own replicas yet; use parallel.zero=0 (or parallel.ep=1)")
+    if p.ep > 1 and p.zero == 3:
+        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero=3: ZeRO-3's units are whole blocks, which mix "
+                          "expert and dense weights (not split yet); use parallel.zero=1 or 2 (or parallel.ep=1)")
     if m.n_experts and p.cp > 1:
         raise ConfigError(f"model.n_experts={m.n_experts} with parallel.cp={p.cp}: the load-balancing loss of a "
                           "sequence shard is not that of the whole sequence (not composed yet); use parallel.cp=1")

@@ -157,17 +157,18 @@ class Engine:
 
     def _wrap(self, run_dir: Path):
         p = self.cfg.parallel
+        expert_group = self.mesh.group("edp") if self.ep_group is not None else None  # replicas of my experts
         if not self.zero:
             return DataParallel(self.module, group=self.group, bucket_mb=p.bucket_mb,
                                 all_reduce_fn=gradient_all_reduce(self.cfg.comm, self.ledger["dp"]),
-                                expert_group=self.mesh.group("edp") if self.ep_group is not None else None)
+                                expert_group=expert_group)
         return ZeroDataParallel(self.module, group=self.group, stage=p.zero, bucket_mb=p.bucket_mb,
                                 unit_blocks=p.zero_unit, offload=p.offload,
                                 param_dtype=torch.bfloat16 if p.zero_param_dtype == "bf16" else None,
                                 offload_dir=p.offload_dir or str(run_dir / "offload"),
                                 quant_weights=p.zero_quant_weights, quant_grads=p.zero_quant_grads,
                                 hpz_size=p.zero_hpz, comm_stats=self.ledger["dp"],
-                                param_init=self._param_init(), device=self.device)
+                                param_init=self._param_init(), device=self.device, expert_group=expert_group)
 
     def _schedule(self):
         p, precision, device = self.cfg.parallel, self.cfg.train.precision, self.device
@@ -205,8 +206,11 @@ class Engine:
         gradient norm of the single-process model, clipped to ``max_norm`` (0: only measured)."""
         pieces = self.wrapper.grad_pieces()
         found_inf = scaler.unscale_grads_([g for g, _ in pieces], group=dist.group.WORLD) if scaler else False
+        # under ZeRO each expert element is in one slice of one rank of the data-parallel group (its ep rank's
+        # experts, its edp rank's slice), so the sum over the shard group counts it once: no sum over ep
+        ep_group = None if self.zero else self.ep_group
         norm = clip_grad_norm(pieces, max_norm, tp_group=self.tp_group, shard_group=self.wrapper.shard_group,
-                              pp_group=self.pp_group, ep_group=self.ep_group, skip=self._counted_elsewhere(),
+                              pp_group=self.pp_group, ep_group=ep_group, skip=self._counted_elsewhere(),
                               device=self.device)
         return found_inf, norm
 
