@@ -20,7 +20,8 @@ MOE = {"model.preset": "tiny-moe", "train.steps": 3}
 def reference(tmp_path_factory, cache_dir):
     """One process, accumulating micro-batches of 4 and of 2 (the shares of dp 2 and dp 4)."""
     tmp = tmp_path_factory.mktemp("ref-moe")
-    return {dp: run(tmp, cache_dir, f"ref{dp}", 1, **MOE, **{"train.micro_batch": 8 // dp}) for dp in (2, 4)}
+    out = {dp: run(tmp, cache_dir, f"ref{dp}", 1, **MOE, **{"train.micro_batch": 8 // dp}) for dp in (2, 4)}
+    return {**out, "dirs": {dp: tmp / f"ref{dp}" for dp in (2, 4)}}
 
 
 @pytest.mark.parametrize("name,nproc,overrides", [
@@ -148,3 +149,20 @@ def test_dispatch_and_combine_by_all_to_all_equal_one_device(counts):
     from tests.harness import run_on_ranks
 
     run_on_ranks(2, _experts_on_two_ranks, counts)
+
+
+@pytest.mark.parametrize("nproc,dp,overrides", [
+    (2, 2, {"parallel.pp": 2, "parallel.microbatches": 2}),  # 8 sequences a replica: micro-batches of 4
+    (4, 4, {"parallel.pp": 2, "parallel.ep": 2, "parallel.microbatches": 2, "parallel.zero": 1}),  # pp2 x dp2 (ep2)
+], ids=["pp2", "ep2-pp2-zero1"])
+def test_moe_pipeline_equals_one_process(reference, tmp_path, cache_dir, nproc, dp, overrides):
+    """MoE blocks on both stages: the first stage backpropagates its blocks' auxiliary losses with its output's
+    gradient and the logged loss sums them over the stages, so losses and weights are the single process's
+    (accumulating the same micro-batches) -- with the experts split over ep 2 and ZeRO-1 as well."""
+    result = run(tmp_path, cache_dir, "moe-pp", nproc, **MOE, **overrides)
+    assert_same_training(result, reference[dp], atol=1e-5)
+    keys = ("moe_aux_loss", "moe_z_loss", "moe_tokens_per_expert_min", "moe_tokens_per_expert_max")
+    got, want = read_metrics(tmp_path / "moe-pp"), read_metrics(reference["dirs"][dp])
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want, strict=True):  # the routers' metrics join every stage's blocks
+        assert [g[k] for k in keys] == pytest.approx([w[k] for k in keys], abs=1e-5)

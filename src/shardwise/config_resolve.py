@@ -419,9 +419,6 @@ def _resolve_experts(cfg: Config) -> None:
         raise ConfigError(f"model.n_experts={m.n_experts} with parallel.sequence_parallel=true: MoE blocks stay whole "
                           "on every tensor-parallel rank and would see only their sequence shard (not composed "
                           "yet); use parallel.sequence_parallel=false")
-    if m.n_experts and p.pp > 1:
-        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.pp={p.pp}: the auxiliary router losses "
-                          "are added at the last stage only (not composed yet); use parallel.pp=1")
     if p.ep > 1 and p.zero == 3:
         raise ConfigError(f"parallel.ep={p.ep} with parallel.zero=3: ZeRO-3's units are whole blocks, which mix "
                           "expert and dense weights (not split yet); use parallel.zero=1 or 2 (or parallel.ep=1)")

@@ -236,7 +236,7 @@ class Engine:
     def step_metrics(self) -> dict[str, float]:
         """The schedule's (a pipeline's bubble), the context-parallel attention work and the experts' load."""
         return {**self.schedule.step_metrics(), **pop_attention_work(self.module),
-                **moe_step_metrics(self.module, self.group)}
+                **moe_step_metrics(self.module, self.group, self.pp_group if self.cfg.model.n_experts else None)}
 
     def write_timeline(self, run_dir: Path, step: int) -> None:
         self.schedule.write_timeline(run_dir, step)
