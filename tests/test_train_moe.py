@@ -81,18 +81,21 @@ def read_metrics(run_dir):
     return [r for r in rows if "moe_dropped_frac" in r]
 
 
-def test_ep_bytes_are_counted_where_sent(tmp_path, cache_dir):
+@pytest.mark.parametrize("zero", [0, 1], ids=["dp", "zero1"])
+def test_ep_bytes_are_counted_where_sent(tmp_path, cache_dir, zero):
     """ep_sent_bytes per step, measured by the counting layer at each all-to-all, against the planner
     (plan --compare). Per MoE block and micro-batch a rank hands over: the n_experts int64 split sizes, its
     own micro_batch * seq * top_k routed rows twice (dispatch forward, combine backward) and the R rows its
     experts received twice (combine forward, dispatch backward). R depends on the routing: the planner
     predicts its mean over the ep group (R = micro_batch * seq * top_k), so the measured bytes minus the
     exactly known part are a whole number of received rows, between 0 and ep times the balanced count.
-    The data-parallel all-reduces (dense over dp, experts over their replicas) are predicted exactly."""
+    The data-parallel all-reduces (dense over dp, experts over their replicas) are predicted exactly, and so
+    are ZeRO-1's reduce-scatters and all-gathers (dense units over dp, expert units over their replicas) and
+    its flags; this model's units need no padding, so the paper's model-state formula is the engine's here."""
     from shardwise.config import Config
     from shardwise.plan.compare import measured_for_run, predicted_for_run
 
-    run(tmp_path, cache_dir, "bytes", 4, **{**MOE, "train.steps": 2, "parallel.ep": 2})
+    run(tmp_path, cache_dir, "bytes", 4, **{**MOE, "train.steps": 2, "parallel.ep": 2, "parallel.zero": zero})
     cfg = Config.load(tmp_path / "bytes" / "config.toml")
     pred, meas = predicted_for_run(cfg), measured_for_run(tmp_path / "bytes")
     layers, rows, row_bytes, ep = cfg.model.n_layers, 2 * 32 * 2, 64 * 4, 2
