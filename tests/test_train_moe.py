@@ -33,6 +33,7 @@ def reference(tmp_path_factory, cache_dir):
     ("ep2-recompute", 2, {"parallel.ep": 2, "train.recompute": "full"}),  # all-to-alls rerun in backward
     ("ep2-zero1", 2, {"parallel.ep": 2, "parallel.zero": 1}),  # experts sliced over edp (1 rank), dense over dp
     ("ep2-zero2-dp4", 4, {"parallel.ep": 2, "parallel.zero": 2}),  # experts sliced over their 2 replicas
+    ("ep2-zero3-dp4", 4, {"parallel.ep": 2, "parallel.zero": 3}),  # a unit per block's experts, gathered inside
 ])
 def test_expert_parallel_equals_one_process(reference, tmp_path, cache_dir, name, nproc, overrides):
     result = run(tmp_path, cache_dir, name, nproc, **MOE, **overrides)

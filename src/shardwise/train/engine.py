@@ -132,7 +132,8 @@ class Engine:
             stages = [c * p.pp + rank for c in range(p.pp_virtual)]
             return [build_stage(cfg.model, s, p.pp * p.pp_virtual, self.split[s], cfg.train.seed, self.device)
                     for s in stages]
-        if p.zero == 3 and self.tp_group is None:  # ZeRO-3 materialises only its slices (tp slices real weights)
+        if p.zero == 3 and self.tp_group is None and self.ep_group is None:
+            # ZeRO-3 materialises only its slices (tp and ep slice real weights)
             with torch.device("meta"):
                 module = Transformer(cfg.model)
             materialize_buffers(module, self.device)
@@ -295,9 +296,10 @@ class Engine:
     def final_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights (a collective): on every rank when each holds the whole model (pp = tp
         = 1), else on global rank 0, assembled from every stage's and tensor-parallel rank's pieces."""
-        if self.ep_group is not None:
-            return expert_state.gather_full_state(self.module, self.mesh.dp_rank, self.mesh.rank("edp"), self.tp_rank)
         state = self.wrapper.state_dict() if self.zero else None  # ZeRO: gathered over the group
+        if self.ep_group is not None:
+            return expert_state.gather_full_state(self.module, self.mesh.dp_rank, self.mesh.rank("edp"), self.tp_rank,
+                                                  state=state)
         if self.tp_group is None and self.pp_group is None:
             return state if state is not None else self.module.state_dict()
         parts = self.parts if state is None else [self.wrapper.module]

@@ -53,7 +53,8 @@ ranks holding the same experts (mesh axis ``edp``) -- torchtitan's "dp2ep" shard
 same group -- while the dense weights' units are sliced over the whole data-parallel group. Every gradient
 is divided by the data-parallel size (an expert's gradient already sums the tokens of its whole ep group,
 as in :class:`~shardwise.parallel.data.DataParallel`), so each unit's reduce-scatter gives the
-single-process average. Stages 1 and 2 (stage 3's units are whole blocks, which mix both kinds).
+single-process average. ZeRO-3 gathers a block's dense unit around the block and its experts' unit
+(the module holding them) around the experts, inside it.
 
 Not supported: reentrant activation checkpointing.
 """
@@ -136,7 +137,7 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             nothing is broadcast (:mod:`.meta`).
         device: where meta parameters are materialised (default: CPU).
         expert_group: with expert parallelism, the ranks holding the same experts: parameters marked
-            ``p.ep_shard`` form units sliced over it (stages 1 and 2).
+            ``p.ep_shard`` form units sliced over it (at stage 3, one per MoE block).
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, stage: int = 1, *,
@@ -152,9 +153,9 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             raise ValueError(f"stage={stage}: ZeroDataParallel implements stages 1, 2 and 3")
         if hpz_size != 1 and stage != 3:
             raise ValueError(f"hpz_size={hpz_size} partitions ZeRO-3's parameters; use stage=3 or hpz_size=1")
-        if expert_group is not None and stage == 3:
-            raise ValueError("expert_group: ZeRO-3's units are whole blocks, which mix expert and dense weights; "
-                             "use stage 1 or 2")
+        if expert_group is not None and hpz_size != 1:
+            raise ValueError(f"hpz_size={hpz_size} with expert_group: secondary partitions are over the "
+                             "data-parallel group, expert units are not; use hpz_size=1")
         self.module = module
         self.group = group
         self.expert_group = expert_group
@@ -265,6 +266,8 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         if unit_modules is None:
             blocks = list(self.module.blocks)
             unit_modules = [blocks[i:i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
+        if self.expert_group is not None:  # each group's expert modules follow it as a unit of their own
+            unit_modules = [u for mods in unit_modules for u in [mods, *self._expert_modules(mods)]]
         self._stage3_modules: list[tuple[nn.Module, nn.Module]] = []
         self._module_unit: dict[tuple[int, str], FlatUnit] = {}
         owner = {id(p): n for n, p in named}
@@ -272,12 +275,25 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         groups = []
         for mods in unit_modules:
             mods = list(mods) if isinstance(mods, (list, tuple, nn.ModuleList)) else [mods]
-            g = [(owner[id(p)], p) for m in mods for p in m.parameters() if id(p) in owner and id(p) not in taken]
+            experts = all(self._is_expert(p) for m in mods for p in m.parameters())
+            g = [(owner[id(p)], p) for m in mods for p in m.parameters()
+                 if id(p) in owner and id(p) not in taken and self._is_expert(p) == experts]
             taken.update(id(p) for _, p in g)
             groups.append(g)
             self._stage3_modules.append((mods[0], mods[-1]))
         root = [(n, p) for n, p in named if id(p) not in taken]
         return [root] + groups
+
+    def _expert_modules(self, mods) -> list[nn.Module]:
+        """The outermost modules inside ``mods`` holding only expert shards (one per MoE block)."""
+        mods = list(mods) if isinstance(mods, (list, tuple, nn.ModuleList)) else [mods]
+        found: list[nn.Module] = []
+        for m in (sub for top in mods for sub in top.modules()):
+            params = list(m.parameters())
+            if params and all(self._is_expert(p) for p in params) and \
+                    not any(m is f or any(m is d for d in f.modules()) for f in found):
+                found.append(m)
+        return found
 
     # ---- during backward ---------------------------------------------------------------------
 
