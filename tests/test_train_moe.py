@@ -62,8 +62,9 @@ def test_llama_experts_with_shared_expert_ep2(tmp_path, cache_dir):
     assert_same_training(ep, ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("nproc,dp,overrides", [(2, 2, {}), (4, 2, {"parallel.tp": 2}), (4, 4, {"parallel.zero": 1})],
-                         ids=["ep2", "ep2-tp2", "ep2-dp4-zero1"])
+@pytest.mark.parametrize("nproc,dp,overrides", [(2, 2, {}), (4, 2, {"parallel.tp": 2}), (4, 4, {"parallel.zero": 1}),
+                                                 (4, 4, {"parallel.zero": 3})],
+                         ids=["ep2", "ep2-tp2", "ep2-dp4-zero1", "ep2-dp4-zero3"])
 def test_ep2_checkpoint_resumes_on_one_process(reference, tmp_path, cache_dir, nproc, dp, overrides):
     """Checkpoints hold the single-process state: an ep-2 run stopped after 2 steps goes on in one process
     (with ZeRO-1 every rank writes its slices: dense ones of the dp group's, its experts' of the edp group's)."""
@@ -72,6 +73,17 @@ def test_ep2_checkpoint_resumes_on_one_process(reference, tmp_path, cache_dir, n
     resumed = run(tmp_path, cache_dir, "switch", 1, **ckpt,
                   **{"train.micro_batch": 8 // dp, "ckpt.resume": "true"})
     losses, state = reference[dp]
+    assert_same_training(resumed, (losses[2:], state), atol=1e-5)
+
+
+def test_one_process_checkpoint_resumes_on_ep2_zero2(reference, tmp_path, cache_dir):
+    """The other way: a single-process checkpoint resumes on 4 ranks with experts split over ep 2 and ZeRO-2
+    slicing dense weights over dp 4 and expert weights over their 2 replicas."""
+    ckpt = {**MOE, "ckpt.every": 2}
+    run(tmp_path, cache_dir, "switch", 1, stop_after=2, **ckpt, **{"train.micro_batch": 2})
+    resumed = run(tmp_path, cache_dir, "switch", 4, **ckpt,
+                  **{"parallel.ep": 2, "parallel.zero": 2, "ckpt.resume": "true"})
+    losses, state = reference[4]
     assert_same_training(resumed, (losses[2:], state), atol=1e-5)
 
 
