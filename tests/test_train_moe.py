@@ -38,6 +38,9 @@ def reference(tmp_path_factory, cache_dir):
 def test_expert_parallel_equals_one_process(reference, tmp_path, cache_dir, name, nproc, overrides):
     result = run(tmp_path, cache_dir, name, nproc, **MOE, **overrides)
     assert_same_training(result, reference[nproc], atol=1e-5)
+    # one global gradient norm: every expert and dense piece (ZeRO slice or shard) counted once
+    norms = grad_norms(tmp_path / name)
+    assert len(norms) == 3 and norms == pytest.approx(grad_norms(reference["dirs"][nproc]), rel=1e-5)
 
 
 def test_capacity_drops_are_the_same_on_one_rank_and_ep2(tmp_path, cache_dir):
@@ -85,6 +88,13 @@ def test_one_process_checkpoint_resumes_on_ep2_zero2(reference, tmp_path, cache_
                   **{"parallel.ep": 2, "parallel.zero": 2, "ckpt.resume": "true"})
     losses, state = reference[4]
     assert_same_training(resumed, (losses[2:], state), atol=1e-5)
+
+
+def grad_norms(run_dir) -> list[float]:
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["grad_norm"] for r in rows if "grad_norm" in r]
 
 
 def read_metrics(run_dir):
@@ -178,6 +188,7 @@ def test_moe_pipeline_equals_one_process(reference, tmp_path, cache_dir, nproc, 
     result = run(tmp_path, cache_dir, "moe-pp", nproc, **MOE, **overrides)
     assert_same_training(result, reference[dp], atol=1e-5)
     keys = ("moe_aux_loss", "moe_z_loss", "moe_tokens_per_expert_min", "moe_tokens_per_expert_max")
+    assert grad_norms(tmp_path / "moe-pp") == pytest.approx(grad_norms(reference["dirs"][dp]), rel=1e-5)
     got, want = read_metrics(tmp_path / "moe-pp"), read_metrics(reference["dirs"][dp])
     assert len(got) == len(want) == 3
     for g, w in zip(got, want, strict=True):  # the routers' metrics join every stage's blocks

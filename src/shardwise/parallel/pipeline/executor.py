@@ -136,7 +136,7 @@ class Pipeline:
         pending: list = []
         losses: list[torch.Tensor] = []
         saved_aux: dict[tuple[int, int], torch.Tensor] = {}
-        aux_sum = torch.zeros((), dtype=torch.float64)
+        aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         live = 0
 
         def flush() -> None:
@@ -187,7 +187,7 @@ class Pipeline:
                     if self.loss_scale != 1.0:
                         out = out * self.loss_scale
                 elif (aux := moe_aux_loss(self.chunks[c])) is not None and aux.requires_grad:
-                    aux_sum += aux.detach().double().cpu()
+                    aux_sum += aux.detach().double()
                     saved_aux[(c, i)] = aux * (self.loss_scale / self.m)
                 if s > 0:
                     saved_in[(c, i)] = x
