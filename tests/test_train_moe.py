@@ -20,7 +20,8 @@ MOE = {"model.preset": "tiny-moe", "train.steps": 3}
 def reference(tmp_path_factory, cache_dir):
     """One process, accumulating micro-batches of 4 and of 2 (the shares of dp 2 and dp 4)."""
     tmp = tmp_path_factory.mktemp("ref-moe")
-    return {dp: run(tmp, cache_dir, f"ref{dp}", 1, **MOE, **{"train.micro_batch": 8 // dp}) for dp in (2, 4)}
+    out = {dp: run(tmp, cache_dir, f"ref{dp}", 1, **MOE, **{"train.micro_batch": 8 // dp}) for dp in (2, 4)}
+    return {**out, "dirs": {dp: tmp / f"ref{dp}" for dp in (2, 4)}}
 
 
 @pytest.mark.parametrize("name,nproc,overrides", [
@@ -30,10 +31,16 @@ def reference(tmp_path_factory, cache_dir):
     ("ep2-ours", 2, {"parallel.ep": 2, "comm.algorithm": "ring"}),
     ("zero3-ep1", 2, {"parallel.zero": 3}),  # experts not split: ZeRO-3 shards them like any weight
     ("ep2-recompute", 2, {"parallel.ep": 2, "train.recompute": "full"}),  # all-to-alls rerun in backward
+    ("ep2-zero1", 2, {"parallel.ep": 2, "parallel.zero": 1}),  # experts sliced over edp (1 rank), dense over dp
+    ("ep2-zero2-dp4", 4, {"parallel.ep": 2, "parallel.zero": 2}),  # experts sliced over their 2 replicas
+    ("ep2-zero3-dp4", 4, {"parallel.ep": 2, "parallel.zero": 3}),  # a unit per block's experts, gathered inside
 ])
 def test_expert_parallel_equals_one_process(reference, tmp_path, cache_dir, name, nproc, overrides):
     result = run(tmp_path, cache_dir, name, nproc, **MOE, **overrides)
     assert_same_training(result, reference[nproc], atol=1e-5)
+    # one global gradient norm: every expert and dense piece (ZeRO slice or shard) counted once
+    norms = grad_norms(tmp_path / name)
+    assert len(norms) == 3 and norms == pytest.approx(grad_norms(reference["dirs"][nproc]), rel=1e-5)
 
 
 def test_capacity_drops_are_the_same_on_one_rank_and_ep2(tmp_path, cache_dir):
@@ -58,14 +65,36 @@ def test_llama_experts_with_shared_expert_ep2(tmp_path, cache_dir):
     assert_same_training(ep, ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("nproc,overrides", [(2, {}), (4, {"parallel.tp": 2})], ids=["ep2", "ep2-tp2"])
-def test_ep2_checkpoint_resumes_on_one_process(reference, tmp_path, cache_dir, nproc, overrides):
-    """Checkpoints hold the single-process state: an ep-2 run stopped after 2 steps goes on in one process."""
+@pytest.mark.parametrize("nproc,dp,overrides", [(2, 2, {}), (4, 2, {"parallel.tp": 2}), (4, 4, {"parallel.zero": 1}),
+                                                 (4, 4, {"parallel.zero": 3})],
+                         ids=["ep2", "ep2-tp2", "ep2-dp4-zero1", "ep2-dp4-zero3"])
+def test_ep2_checkpoint_resumes_on_one_process(reference, tmp_path, cache_dir, nproc, dp, overrides):
+    """Checkpoints hold the single-process state: an ep-2 run stopped after 2 steps goes on in one process
+    (with ZeRO-1 every rank writes its slices: dense ones of the dp group's, its experts' of the edp group's)."""
     ckpt = {**MOE, "ckpt.every": 2}
     run(tmp_path, cache_dir, "switch", nproc, stop_after=2, **ckpt, **{"parallel.ep": 2, **overrides})
-    resumed = run(tmp_path, cache_dir, "switch", 1, **ckpt, **{"train.micro_batch": 4, "ckpt.resume": "true"})
-    losses, state = reference[2]
+    resumed = run(tmp_path, cache_dir, "switch", 1, **ckpt,
+                  **{"train.micro_batch": 8 // dp, "ckpt.resume": "true"})
+    losses, state = reference[dp]
     assert_same_training(resumed, (losses[2:], state), atol=1e-5)
+
+
+def test_one_process_checkpoint_resumes_on_ep2_zero2(reference, tmp_path, cache_dir):
+    """The other way: a single-process checkpoint resumes on 4 ranks with experts split over ep 2 and ZeRO-2
+    slicing dense weights over dp 4 and expert weights over their 2 replicas."""
+    ckpt = {**MOE, "ckpt.every": 2}
+    run(tmp_path, cache_dir, "switch", 1, stop_after=2, **ckpt, **{"train.micro_batch": 2})
+    resumed = run(tmp_path, cache_dir, "switch", 4, **ckpt,
+                  **{"parallel.ep": 2, "parallel.zero": 2, "ckpt.resume": "true"})
+    losses, state = reference[4]
+    assert_same_training(resumed, (losses[2:], state), atol=1e-5)
+
+
+def grad_norms(run_dir) -> list[float]:
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["grad_norm"] for r in rows if "grad_norm" in r]
 
 
 def read_metrics(run_dir):
@@ -75,18 +104,21 @@ def read_metrics(run_dir):
     return [r for r in rows if "moe_dropped_frac" in r]
 
 
-def test_ep_bytes_are_counted_where_sent(tmp_path, cache_dir):
+@pytest.mark.parametrize("zero", [0, 1], ids=["dp", "zero1"])
+def test_ep_bytes_are_counted_where_sent(tmp_path, cache_dir, zero):
     """ep_sent_bytes per step, measured by the counting layer at each all-to-all, against the planner
     (plan --compare). Per MoE block and micro-batch a rank hands over: the n_experts int64 split sizes, its
     own micro_batch * seq * top_k routed rows twice (dispatch forward, combine backward) and the R rows its
     experts received twice (combine forward, dispatch backward). R depends on the routing: the planner
     predicts its mean over the ep group (R = micro_batch * seq * top_k), so the measured bytes minus the
     exactly known part are a whole number of received rows, between 0 and ep times the balanced count.
-    The data-parallel all-reduces (dense over dp, experts over their replicas) are predicted exactly."""
+    The data-parallel all-reduces (dense over dp, experts over their replicas) are predicted exactly, and so
+    are ZeRO-1's reduce-scatters and all-gathers (dense units over dp, expert units over their replicas) and
+    its flags; this model's units need no padding, so the paper's model-state formula is the engine's here."""
     from shardwise.config import Config
     from shardwise.plan.compare import measured_for_run, predicted_for_run
 
-    run(tmp_path, cache_dir, "bytes", 4, **{**MOE, "train.steps": 2, "parallel.ep": 2})
+    run(tmp_path, cache_dir, "bytes", 4, **{**MOE, "train.steps": 2, "parallel.ep": 2, "parallel.zero": zero})
     cfg = Config.load(tmp_path / "bytes" / "config.toml")
     pred, meas = predicted_for_run(cfg), measured_for_run(tmp_path / "bytes")
     layers, rows, row_bytes, ep = cfg.model.n_layers, 2 * 32 * 2, 64 * 4, 2
@@ -143,3 +175,21 @@ def test_dispatch_and_combine_by_all_to_all_equal_one_device(counts):
     from tests.harness import run_on_ranks
 
     run_on_ranks(2, _experts_on_two_ranks, counts)
+
+
+@pytest.mark.parametrize("nproc,dp,overrides", [
+    (2, 2, {"parallel.pp": 2, "parallel.microbatches": 2}),  # 8 sequences a replica: micro-batches of 4
+    (4, 4, {"parallel.pp": 2, "parallel.ep": 2, "parallel.microbatches": 2, "parallel.zero": 1}),  # pp2 x dp2 (ep2)
+], ids=["pp2", "ep2-pp2-zero1"])
+def test_moe_pipeline_equals_one_process(reference, tmp_path, cache_dir, nproc, dp, overrides):
+    """MoE blocks on both stages: the first stage backpropagates its blocks' auxiliary losses with its output's
+    gradient and the logged loss sums them over the stages, so losses and weights are the single process's
+    (accumulating the same micro-batches) -- with the experts split over ep 2 and ZeRO-1 as well."""
+    result = run(tmp_path, cache_dir, "moe-pp", nproc, **MOE, **overrides)
+    assert_same_training(result, reference[dp], atol=1e-5)
+    keys = ("moe_aux_loss", "moe_z_loss", "moe_tokens_per_expert_min", "moe_tokens_per_expert_max")
+    assert grad_norms(tmp_path / "moe-pp") == pytest.approx(grad_norms(reference["dirs"][dp]), rel=1e-5)
+    got, want = read_metrics(tmp_path / "moe-pp"), read_metrics(reference["dirs"][dp])
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want, strict=True):  # the routers' metrics join every stage's blocks
+        assert [g[k] for k in keys] == pytest.approx([w[k] for k in keys], abs=1e-5)

@@ -419,12 +419,9 @@ def _resolve_experts(cfg: Config) -> None:
         raise ConfigError(f"model.n_experts={m.n_experts} with parallel.sequence_parallel=true: MoE blocks stay whole "
                           "on every tensor-parallel rank and would see only their sequence shard (not composed "
                           "yet); use parallel.sequence_parallel=false")
-    if m.n_experts and p.pp > 1:
-        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.pp={p.pp}: the auxiliary router losses "
-                          "are added at the last stage only (not composed yet); use parallel.pp=1")
-    if p.ep > 1 and p.zero:
-        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero={p.zero}: ZeRO does not shard expert weights "
-                          "over their own replicas yet; use parallel.zero=0 (or parallel.ep=1)")
+    if p.ep > 1 and p.zero_hpz > 1:
+        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero_hpz={p.zero_hpz}: hpZ's secondary partitions "
+                          "span the data-parallel group, expert units do not (not composed); use parallel.zero_hpz=1")
     if m.n_experts and p.cp > 1:
         raise ConfigError(f"model.n_experts={m.n_experts} with parallel.cp={p.cp}: the load-balancing loss of a "
                           "sequence shard is not that of the whole sequence (not composed yet); use parallel.cp=1")

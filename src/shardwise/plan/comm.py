@@ -145,7 +145,9 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
     ``dp_flags``: without ZeRO, the trainer's DataParallel carries one such flag per parameter tensor
     inside its gradient buckets, in the gradient dtype (pass the tensor count to predict its bytes
     exactly; 0 leaves them out, as a planner may); ``ep_flags``: the same for the expert tensors, whose
-    buckets are reduced over the expert replicas.
+    buckets are reduced over the expert replicas. With ZeRO-1/2 and no ``units`` (a mixture-of-experts
+    model, whose expert units are sliced over their own replicas), ``dp_flags`` is the engine's uint8 flag
+    all-reduce over the whole data-parallel group.
 
     Expert parallelism: each MoE block's tokens go out and back by all-to-all in forward and again
     in backward (4 per block and micro-batch, ``micro_batch * s * top_k`` rows of ``d_model``, dropless;
@@ -170,6 +172,8 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
         stride = st["cp"] if lay.cp > 1 else st["dp"]
         if units is not None and kind == "dense":
             add("ZeRO grad flags", "all-reduce", group, units.n_tensors, 1, stride, "none")
+        elif lay.zero in (1, 2) and kind == "dense":
+            add("ZeRO grad flags", "all-reduce", group, dp_flags, 1, stride, "none")
         if lay.zero == 0:
             flags = dp_flags if kind == "dense" else ep_flags
             add(label, "all-reduce", group, (psi + flags) * b["grads"], 1, stride, "backward")

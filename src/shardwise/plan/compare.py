@@ -65,12 +65,16 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     # DataParallel's buckets carry one "had a gradient" flag per parameter tensor of the rank's part
     blocks = _rank0_blocks(cfg)
     first_stage = ("tok_emb", "pos_emb")  # with pp > 1 rank 0 holds the first stage, never the head
-    flags = sum(1 for e in model_params(m) if e.block in blocks or (e.block is None and (
-        p.pp == 1 or e.name.split(".")[0] in first_stage))) if p.zero == 0 and dp * p.cp > 1 else 0
+    tensors = sum(1 for e in model_params(m) if e.block in blocks or (e.block is None and (
+        p.pp == 1 or e.name.split(".")[0] in first_stage))) if dp * p.cp > 1 else 0
+    flags = tensors if p.zero == 0 else 0
     # with experts split over ep, their tensors sit in buckets of their own, reduced over the expert replicas
     ep_flags = sum(".experts." in e.name for e in model_params(m)) if flags and p.ep > 1 else 0
-    items = [c for c in comm_items(m, lay, s, states, cluster, act_bytes, units, dp_flags=flags - ep_flags,
-                                   ep_flags=ep_flags) if c.technique not in ("pipeline", "context parallel")]
+    # ZeRO-1/2 of a MoE model (no exact units): the engine's uint8 flags, one per tensor, over the whole dp group
+    zero_flags = tensors if p.zero in (1, 2) and units is None and m.n_experts else 0
+    items = [c for c in comm_items(m, lay, s, states, cluster, act_bytes, units,
+                                   dp_flags=flags - ep_flags + zero_flags, ep_flags=ep_flags)
+             if c.technique not in ("pipeline", "context parallel")]
     p2p = pipeline_sent_bytes(m, lay, s)
     tp = tensor_parallel_bytes(items, lay, s, m.d_model, act_bytes) + tp_grad_sync_bytes(m, lay)
     layers = len(blocks)  # the context-parallel terms are per block this rank holds

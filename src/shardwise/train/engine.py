@@ -132,7 +132,8 @@ class Engine:
             stages = [c * p.pp + rank for c in range(p.pp_virtual)]
             return [build_stage(cfg.model, s, p.pp * p.pp_virtual, self.split[s], cfg.train.seed, self.device)
                     for s in stages]
-        if p.zero == 3 and self.tp_group is None:  # ZeRO-3 materialises only its slices (tp slices real weights)
+        if p.zero == 3 and self.tp_group is None and self.ep_group is None:
+            # ZeRO-3 materialises only its slices (tp and ep slice real weights)
             with torch.device("meta"):
                 module = Transformer(cfg.model)
             materialize_buffers(module, self.device)
@@ -157,17 +158,18 @@ class Engine:
 
     def _wrap(self, run_dir: Path):
         p = self.cfg.parallel
+        expert_group = self.mesh.group("edp") if self.ep_group is not None else None  # replicas of my experts
         if not self.zero:
             return DataParallel(self.module, group=self.group, bucket_mb=p.bucket_mb,
                                 all_reduce_fn=gradient_all_reduce(self.cfg.comm, self.ledger["dp"]),
-                                expert_group=self.mesh.group("edp") if self.ep_group is not None else None)
+                                expert_group=expert_group)
         return ZeroDataParallel(self.module, group=self.group, stage=p.zero, bucket_mb=p.bucket_mb,
                                 unit_blocks=p.zero_unit, offload=p.offload,
                                 param_dtype=torch.bfloat16 if p.zero_param_dtype == "bf16" else None,
                                 offload_dir=p.offload_dir or str(run_dir / "offload"),
                                 quant_weights=p.zero_quant_weights, quant_grads=p.zero_quant_grads,
                                 hpz_size=p.zero_hpz, comm_stats=self.ledger["dp"],
-                                param_init=self._param_init(), device=self.device)
+                                param_init=self._param_init(), device=self.device, expert_group=expert_group)
 
     def _schedule(self):
         p, precision, device = self.cfg.parallel, self.cfg.train.precision, self.device
@@ -205,8 +207,11 @@ class Engine:
         gradient norm of the single-process model, clipped to ``max_norm`` (0: only measured)."""
         pieces = self.wrapper.grad_pieces()
         found_inf = scaler.unscale_grads_([g for g, _ in pieces], group=dist.group.WORLD) if scaler else False
+        # under ZeRO each expert element is in one slice of one rank of the data-parallel group (its ep rank's
+        # experts, its edp rank's slice), so the sum over the shard group counts it once: no sum over ep
+        ep_group = None if self.zero else self.ep_group
         norm = clip_grad_norm(pieces, max_norm, tp_group=self.tp_group, shard_group=self.wrapper.shard_group,
-                              pp_group=self.pp_group, ep_group=self.ep_group, skip=self._counted_elsewhere(),
+                              pp_group=self.pp_group, ep_group=ep_group, skip=self._counted_elsewhere(),
                               device=self.device)
         return found_inf, norm
 
@@ -232,7 +237,7 @@ class Engine:
     def step_metrics(self) -> dict[str, float]:
         """The schedule's (a pipeline's bubble), the context-parallel attention work and the experts' load."""
         return {**self.schedule.step_metrics(), **pop_attention_work(self.module),
-                **moe_step_metrics(self.module, self.group)}
+                **moe_step_metrics(self.module, self.group, self.pp_group if self.cfg.model.n_experts else None)}
 
     def write_timeline(self, run_dir: Path, step: int) -> None:
         self.schedule.write_timeline(run_dir, step)
@@ -291,9 +296,10 @@ class Engine:
     def final_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights (a collective): on every rank when each holds the whole model (pp = tp
         = 1), else on global rank 0, assembled from every stage's and tensor-parallel rank's pieces."""
-        if self.ep_group is not None:
-            return expert_state.gather_full_state(self.module, self.mesh.dp_rank, self.mesh.rank("edp"), self.tp_rank)
         state = self.wrapper.state_dict() if self.zero else None  # ZeRO: gathered over the group
+        if self.ep_group is not None:
+            return expert_state.gather_full_state(self.module, self.mesh.dp_rank, self.mesh.rank("edp"), self.tp_rank,
+                                                  state=state)
         if self.tp_group is None and self.pp_group is None:
             return state if state is not None else self.module.state_dict()
         parts = self.parts if state is None else [self.wrapper.module]

@@ -23,12 +23,14 @@ def _ep(p: torch.Tensor):
     return getattr(p, "ep_shard", None)
 
 
-def expert_pieces(module: nn.Module, params: list[nn.Parameter], optimizer_state: Mapping[int, Mapping]) -> list[Piece]:
+def expert_pieces(module: nn.Module, params: list[nn.Parameter], optimizer_state: Mapping[int, Mapping],
+                  state: Mapping[str, torch.Tensor] | None = None) -> list[Piece]:
     """The pieces of this rank's expert shards only: their rows of the model's stacked tensors and of their
-    element-wise optimizer moments (scalars such as the step count are written by data-parallel rank 0)."""
+    element-wise optimizer moments (scalars such as the step count are written by data-parallel rank 0).
+    ``state``: the module's local state dict when it is not ``module.state_dict()`` (ZeRO's gathered one)."""
     infos = {name: _ep(p) for name, p in module.named_parameters(remove_duplicate=False)
              if _ep(p) is not None and _ep(p).owner}
-    pieces = [pc for key, t in module.state_dict().items() if key in infos
+    pieces = [pc for key, t in (module.state_dict() if state is None else state).items() if key in infos
               for pc in slice_pieces(f"model/{key}", t, infos[key])]
     for index, per_param in optimizer_state.items():
         p = params[index]
@@ -42,14 +44,14 @@ def expert_pieces(module: nn.Module, params: list[nn.Parameter], optimizer_state
 
 
 def gather_full_state(module: nn.Module, dp_rank: int, edp_rank: int, tp_rank: int = 0,
-                      dst: int = 0) -> dict[str, torch.Tensor]:
+                      dst: int = 0, state: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The whole single-process model state on global rank ``dst``: data-parallel rank 0's pieces (dense
     weights or their tensor-parallel rows, and its experts) and the other experts from the first ep group.
-    A collective over the world."""
+    ``state``: the module's local state (ZeRO: gathered from the shards). A collective over the world."""
     if dp_rank == 0:
-        pieces = model_pieces(module, tp_rank)
+        pieces = model_pieces(module, tp_rank, state)
     elif edp_rank == 0:
-        pieces = expert_pieces(module, [], {})
+        pieces = expert_pieces(module, [], {}, state)
     else:
         pieces = []
     return gather_pieces(pieces, dst)

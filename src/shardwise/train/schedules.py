@@ -9,8 +9,9 @@ the data-parallel wrapper's gradients averaged over its group:
 * :class:`PipelineSchedule` (``parallel.pp > 1``): the pipeline schedule (GPipe, 1F1B, interleaved,
   ZB-H1; :class:`~shardwise.parallel.pipeline.Pipeline`) runs every micro-batch's forward and backward
   with gradients accumulating, then the wrapper reduces them once, after the flush (Narayanan et al.
-  2021 §3). The last stage's loss is broadcast along the pipeline; each step's timelines are gathered
-  for the measured bubble (§2.2) and ``timeline.json``.
+  2021 §3). The last stage's loss, plus the auxiliary router losses of earlier stages' mixture-of-experts
+  blocks, is summed along the pipeline; each step's timelines are gathered for the measured bubble (§2.2)
+  and ``timeline.json``.
 """
 
 from __future__ import annotations
@@ -85,7 +86,11 @@ class PipelineSchedule:
             loss = self.pipe.step(x, y)
         self.wrapper.reduce_gradients()  # ... and are averaged once, after the flush
         self.timelines = gather_timelines(self.pipe.timeline, self.pp_group)
-        return self._from_last_stage(loss)
+        # the single-process loss: the last stage's (with its blocks' auxiliary losses) and earlier stages' aux
+        out = torch.zeros((), dtype=torch.float64, device=self.device) if loss is None else loss.double()
+        out = out + self.pipe.aux_loss.to(self.device)
+        dist.all_reduce(out, group=self.pp_group)
+        return out
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self._from_last_stage(self.pipe.forward_only(x, y))

@@ -10,6 +10,12 @@ scaled by ``1/m`` before its backward, so the accumulated gradients equal those 
 the whole batch (GPipe's synchronous micro-batch gradient accumulation, Huang et al. 2019 §2.2).
 With tied embeddings the first and last stages' copies of the token table exchange and add their
 gradients after the last backward (Shoeybi et al. 2019; Narayanan et al. 2021 §3).
+Auxiliary losses of earlier stages (the routers' load-balancing and z-losses of mixture-of-experts blocks,
+:mod:`shardwise.model.moe`): the single-process loss adds every block's, but only the last stage computes
+the loss. A stage before it backpropagates its blocks' weighted auxiliary loss of micro-batch ``i`` together
+with the gradient of its output (``backward([out, aux * scale / m], [grad, 1])``) -- its output carries the
+auxiliary loss's gradient -- so the accumulated gradients are the single-process ones; the value is kept in
+:attr:`Pipeline.aux_loss` for the logged loss (the schedule adds it over the stages).
 Schedules with a split backward (``zb-h1``; Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §2-3)
 run ``B`` with the chunks' linear layers deferring their weight gradients to a per-micro-batch
 :class:`~shardwise.parallel.pipeline.zero_bubble.WeightGradStore`, and the ``W`` action computes them.
@@ -26,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.dist.comm.counting import CommStats
+from shardwise.model.moe import moe_aux_loss
 from shardwise.parallel.pipeline.p2p import P2P, message_tag
 from shardwise.parallel.pipeline.schedules import (
     COMM,
@@ -99,6 +106,9 @@ class Pipeline:
                 defer_linear_weight_grads(chunk, self.weight_grads)
         self.forward_context = forward_context
         self.loss_scale = 1.0
+        self.aux_loss = torch.zeros((), dtype=torch.float64)
+        """The last step's weighted auxiliary losses of this rank's stages before the last, mean over
+        micro-batches (a part of the single-process loss the last stage does not see)."""
 
     def parameters(self):
         """Every parameter of this rank's chunks (tied copies appear on each stage holding one)."""
@@ -125,6 +135,8 @@ class Pipeline:
         sends: list[tuple[dist.Work, torch.Tensor]] = []
         pending: list = []
         losses: list[torch.Tensor] = []
+        saved_aux: dict[tuple[int, int], torch.Tensor] = {}
+        aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         live = 0
 
         def flush() -> None:
@@ -174,6 +186,9 @@ class Pipeline:
                     out = out / self.m
                     if self.loss_scale != 1.0:
                         out = out * self.loss_scale
+                elif (aux := moe_aux_loss(self.chunks[c])) is not None and aux.requires_grad:
+                    aux_sum += aux.detach().double()
+                    saved_aux[(c, i)] = aux * (self.loss_scale / self.m)
                 if s > 0:
                     saved_in[(c, i)] = x
                 saved_out[(c, i)] = out
@@ -183,8 +198,12 @@ class Pipeline:
                 grad = None if last else received(RECV_B, c, i)
                 out = saved_out.pop((c, i))
                 defer = self.weight_grads.deferring((c, i)) if self.split_backward else contextlib.nullcontext()
+                aux = saved_aux.pop((c, i), None)
                 with tl.record(B, s, i), defer:
-                    torch.autograd.backward(out, None if grad is None else grad.to(out.dtype))
+                    if aux is None:
+                        torch.autograd.backward(out, None if grad is None else grad.to(out.dtype))
+                    else:  # the stage's output carries its auxiliary loss's gradient
+                        torch.autograd.backward([out, aux], [grad.to(out.dtype), torch.ones_like(aux)])
                 if not self.split_backward:
                     live -= 1
             elif a.kind == W:
@@ -197,6 +216,7 @@ class Pipeline:
             for work, _ in sends:
                 work.wait()
         self._sync_tied_grads(tl)
+        self.aux_loss = aux_sum / self.m
         tl.end = time.perf_counter()
         if losses:
             return torch.stack(losses).mean()

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from shardwise.model.moe import moe_aux_loss, moe_layers
+
 if TYPE_CHECKING:
     from shardwise.config import ModelConfig
 
@@ -184,9 +186,15 @@ class StageModule(nn.Module):
             x = Transformer.embed(self, x)
         for block in self.blocks.values():
             x = block(x)
-        if self.is_last:
-            return Transformer.head(self, x, targets)
-        return x
+        if self.training and torch.is_grad_enabled():  # the routers' statistics, as Transformer.forward
+            for moe in moe_layers(self):
+                moe.record()
+        if not self.is_last:  # earlier stages' auxiliary losses: the executor backpropagates them
+            return x
+        out = Transformer.head(self, x, targets)
+        if targets is not None and self.training and (aux := moe_aux_loss(self)) is not None:
+            out = out + aux.to(out.dtype)  # this stage's blocks' share, as Transformer.forward adds them all
+        return out
 
     @property
     def tied_weight(self) -> nn.Parameter | None:

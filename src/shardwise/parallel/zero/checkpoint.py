@@ -57,11 +57,13 @@ def zero_checkpoint_pieces(engine, optimizer, with_buffers: bool, ref_map=None) 
 
 def _range(key: str, values: torch.Tensor, start: int, p: torch.nn.Parameter) -> list[Piece]:
     """Elements ``[start, start + n)`` of parameter ``p``'s flattened tensor as pieces of the single-process
-    tensor: itself, or, for a tensor-parallel piece (``p.tp_shard``), the full tensor's runs it covers."""
-    info = getattr(p, "tp_shard", None)
+    tensor: itself, or, for a tensor-parallel piece (``p.tp_shard``) or an expert-parallel shard (``p.ep_shard``,
+    rows of the stacked experts), the full tensor's runs it covers."""
+    from shardwise.train.tp_state import local_range_pieces, shard_info
+
+    info = shard_info(p)
     if info is None:
         return [Piece(key, values, start, tuple(p.shape))]
-    from shardwise.train.tp_state import local_range_pieces
 
     return local_range_pieces(key, values, start, tuple(p.shape), info)
 

@@ -47,6 +47,15 @@ master pieces get ``.grad = None``), so AdamW neither decays it nor moves its mo
 the unsharded run. Each rank records which parameters got a gradient (the post-accumulate hook)
 and the flags are all-reduced (MAX) once per step, at the end of backward.
 
+Expert parallelism (``expert_group``): expert weights (``p.ep_shard``, :mod:`shardwise.parallel.expert`)
+differ between the ranks of an ep group, so they form units of their own whose slices are spread over the
+ranks holding the same experts (mesh axis ``edp``) -- torchtitan's "dp2ep" shards them with FSDP over the
+same group -- while the dense weights' units are sliced over the whole data-parallel group. Every gradient
+is divided by the data-parallel size (an expert's gradient already sums the tokens of its whole ep group,
+as in :class:`~shardwise.parallel.data.DataParallel`), so each unit's reduce-scatter gives the
+single-process average. ZeRO-3 gathers a block's dense unit around the block and its experts' unit
+(the module holding them) around the experts, inside it.
+
 Not supported: reentrant activation checkpointing.
 """
 
@@ -127,6 +136,8 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             every rank; ZeRO-3 keeps only this rank's slices, so the full model is never in memory, and
             nothing is broadcast (:mod:`.meta`).
         device: where meta parameters are materialised (default: CPU).
+        expert_group: with expert parallelism, the ranks holding the same experts: parameters marked
+            ``p.ep_shard`` form units sliced over it (at stage 3, one per MoE block).
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, stage: int = 1, *,
@@ -136,14 +147,18 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
                  hpz_size: int = 1, hpz_group: dist.ProcessGroup | None = None, node_size: int | None = None,
                  overlap_reduce: bool | None = None, comm_stats: CommStats | None = None,
                  param_init: Callable[[str, nn.Parameter], torch.Tensor] | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, expert_group: dist.ProcessGroup | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage={stage}: ZeroDataParallel implements stages 1, 2 and 3")
         if hpz_size != 1 and stage != 3:
             raise ValueError(f"hpz_size={hpz_size} partitions ZeRO-3's parameters; use stage=3 or hpz_size=1")
+        if expert_group is not None and hpz_size != 1:
+            raise ValueError(f"hpz_size={hpz_size} with expert_group: secondary partitions are over the "
+                             "data-parallel group, expert units are not; use hpz_size=1")
         self.module = module
         self.group = group
+        self.expert_group = expert_group
         self.stage = stage
         self.quant_weights, self.quant_grads = quant_weights, quant_grads
         self.world = dist.get_world_size(group)
@@ -174,13 +189,18 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             check_ranks_agree([], structure_hash(named), group, device)
         self.units = []
         for i, g in enumerate(groups):  # one unit at a time, so that at most one full copy is extra
-            if self.world > 1:  # replicas start from rank ``broadcast_from``'s weights (in place)
+            ugroup, usrc = group, src
+            if self._is_expert(g[0][1]):  # expert weights: sliced over (and started from) their own replicas
+                ugroup, usrc = expert_group, dist.get_global_rank(expert_group, 0)
+            uworld = dist.get_world_size(ugroup)
+            if uworld > 1:  # replicas start from rank ``broadcast_from``'s weights (in place)
                 for _, p in g:
                     if not p.is_meta:  # meta parameters: every rank computes the same values
-                        dist.broadcast(p.data, src=src, group=group)
+                        dist.broadcast(p.data, src=usrc, group=ugroup)
             # stage 3 keeps its own slice apart from the full buffer, which stays unallocated
-            self.units.append(FlatUnit(i, [n for n, _ in g], [p for _, p in g], self.rank, self.world, param_dtype,
-                                       sharded=stage == 3, init=param_init, device=device))
+            self.units.append(FlatUnit(i, [n for n, _ in g], [p for _, p in g], dist.get_rank(ugroup), uworld,
+                                       param_dtype, sharded=stage == 3, init=param_init, device=device,
+                                       group=ugroup))
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         if self.world > 1 and on_meta:
             check_ranks_agree(self.units, structure_hash(named), group, device)
@@ -233,15 +253,21 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
                 raise ValueError(f"ZeroDataParallel: {name} is on the meta device but is not a trained parameter; "
                                  "materialise buffers first (shardwise.parallel.zero.meta.materialize_buffers)")
 
+    def _is_expert(self, p: nn.Parameter) -> bool:
+        """Whether ``p`` is sliced over the expert group (an expert-parallel shard)."""
+        return self.expert_group is not None and getattr(p, "ep_shard", None) is not None
+
     def _unit_groups(self, named, stage, bucket_mb, unit_modules, unit_blocks):
         if stage < 3:
             cap = max(int(bucket_mb * 2**20), 1)
             ids = {id(p): (n, p) for n, p in named}
-            buckets = _assign_buckets([p for _, p in named], cap)
+            buckets = _assign_buckets([p for _, p in named], cap, kind=self._is_expert)
             return [[ids[id(p)] for p in b] for b in buckets]
         if unit_modules is None:
             blocks = list(self.module.blocks)
             unit_modules = [blocks[i:i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
+        if self.expert_group is not None:  # each group's expert modules follow it as a unit of their own
+            unit_modules = [u for mods in unit_modules for u in [mods, *self._expert_modules(mods)]]
         self._stage3_modules: list[tuple[nn.Module, nn.Module]] = []
         self._module_unit: dict[tuple[int, str], FlatUnit] = {}
         owner = {id(p): n for n, p in named}
@@ -249,12 +275,25 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         groups = []
         for mods in unit_modules:
             mods = list(mods) if isinstance(mods, (list, tuple, nn.ModuleList)) else [mods]
-            g = [(owner[id(p)], p) for m in mods for p in m.parameters() if id(p) in owner and id(p) not in taken]
+            experts = all(self._is_expert(p) for m in mods for p in m.parameters())
+            g = [(owner[id(p)], p) for m in mods for p in m.parameters()
+                 if id(p) in owner and id(p) not in taken and self._is_expert(p) == experts]
             taken.update(id(p) for _, p in g)
             groups.append(g)
             self._stage3_modules.append((mods[0], mods[-1]))
         root = [(n, p) for n, p in named if id(p) not in taken]
         return [root] + groups
+
+    def _expert_modules(self, mods) -> list[nn.Module]:
+        """The outermost modules inside ``mods`` holding only expert shards (one per MoE block)."""
+        mods = list(mods) if isinstance(mods, (list, tuple, nn.ModuleList)) else [mods]
+        found: list[nn.Module] = []
+        for m in (sub for top in mods for sub in top.modules()):
+            params = list(m.parameters())
+            if params and all(self._is_expert(p) for p in params) and \
+                    not any(m is f or any(m is d for d in f.modules()) for f in found):
+                found.append(m)
+        return found
 
     # ---- during backward ---------------------------------------------------------------------
 
@@ -307,10 +346,12 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         self.masters.write_back(self.units)
         for u in self.units:  # a secondary partition (hpZ) holds the old values
             self.hpz.drop(u)
-        if self.stage == 3 or self.world == 1:
+        if self.stage == 3:
             return
         works = []
         for u in self.units:  # in place: the rank's slice of ``full`` holds the updated values
+            if u.world == 1:
+                continue
             works.append(self._all_gather_work(u, None))
             self.comm_stats.hand(nbytes(u.full), backend=not self.direct_exchange)
         for w in works:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -54,7 +55,9 @@ class FlatUnit:
     Args:
         names: the parameters' qualified names (for checkpoints and error messages).
         params: the parameters, deduplicated (a tied weight appears once).
-        rank, world: this rank's position in, and the size of, the data-parallel group.
+        rank, world: this rank's position in, and the size of, ``group``.
+        group: the group the unit's slices are spread over (the engine's data-parallel group, or for
+            expert weights under expert parallelism the ranks holding the same experts).
         dtype: dtype of the flat parameter buffer (the compute copy's dtype).
         sharded: ZeRO-3: build only ``shard`` (this rank's slice) from the parameters and leave
             the full buffer unallocated, so sharding a model never holds a second full copy of a unit.
@@ -62,8 +65,10 @@ class FlatUnit:
 
     def __init__(self, index: int, names: list[str], params: list[nn.Parameter], rank: int, world: int,
                  dtype: torch.dtype | None = None, sharded: bool = False,
-                 init: Callable[[str, nn.Parameter], torch.Tensor] | None = None, device: torch.device | None = None):
+                 init: Callable[[str, nn.Parameter], torch.Tensor] | None = None, device: torch.device | None = None,
+                 group: dist.ProcessGroup | None = None):
         self.index = index
+        self.group = group
         self.names = names
         self.params = params
         self.rank, self.world = rank, world

@@ -31,10 +31,10 @@ def _gather_flat(engine: ZeroDataParallel, unit, values: dict[int, torch.Tensor]
     for pc in unit.pieces:
         if pc.param_index in values:
             shard[pc.shard_offset:pc.shard_offset + pc.numel].copy_(values[pc.param_index].reshape(-1))
-    if engine.world == 1:
+    if unit.world == 1:
         return shard
     full = torch.empty(unit.padded_numel, dtype=dtype, device=shard.device)
-    dist.all_gather_single(full, shard, group=engine.group)
+    dist.all_gather_single(full, shard, group=unit.group)
     return full
 
 

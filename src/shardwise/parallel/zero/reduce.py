@@ -105,7 +105,7 @@ class GradReduction:
         """Reduce-scatter ``flat`` (a unit's divided gradients). Stage 1 reduces in place: the
         output is the rank's own slice of the input (NCCL's documented in-place form; gloo
         computes the same, which the equivalence tests check), so no extra gradient shard exists."""
-        if self.world == 1:
+        if unit.world == 1:
             self._inflight.append((unit, flat, flat, None))
             return
         if self.stage == 1:
@@ -113,7 +113,7 @@ class GradReduction:
         else:
             out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
         if self.quant_grads:
-            work, handed = reduce_scatter_int8(out, flat, self.group)
+            work, handed = reduce_scatter_int8(out, flat, unit.group)
             self.comm_stats.hand(handed, backend=True)
         else:
             work = self._reduce_scatter_work(out, flat, unit)
@@ -124,14 +124,14 @@ class GradReduction:
         """Launch the reduce-scatter of ``flat`` into ``out``: a direct exchange on gloo (:mod:`.exchange`,
         receiving into a pooled scratch buffer), the backend's collective otherwise."""
         if self.direct_exchange:
-            need = exchange.scratch_numel(out, flat, self.world)
+            need = exchange.scratch_numel(out, flat, unit.world)
             scratch = self._grad_pool.take(need, flat.dtype, flat.device) if need else None
-            work = exchange.reduce_scatter(out, flat, self.group, tag=exchange.TAG + 2 * unit.index, scratch=scratch,
+            work = exchange.reduce_scatter(out, flat, unit.group, tag=exchange.TAG + 2 * unit.index, scratch=scratch,
                                            on_send=self.comm_stats.send)
             if scratch is not None:
                 work.after = lambda: self._grad_pool.give(scratch)
             return work
-        return dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=unit.group, async_op=True)
 
     @torch.no_grad()
     def _finish_backward(self) -> None:

@@ -39,7 +39,7 @@ class Stage3Hooks:
         secondary partition once it completes."""
         if not unit.gathered and unit.gather_work is None:
             unit.alloc_full()
-            if self.world == 1:
+            if unit.world == 1:
                 unit.full.copy_(unit.shard)
                 unit.gathered = True
                 return
@@ -50,7 +50,7 @@ class Stage3Hooks:
                 self.comm_stats.hand(nbytes(unit.full), backend=True)
             else:
                 if self.quant_weights:
-                    unit.gather_work, handed = all_gather_int8(unit.full, unit.shard, self.group)
+                    unit.gather_work, handed = all_gather_int8(unit.full, unit.shard, unit.group)
                 else:
                     unit.gather_work = self._all_gather_work(unit, unit.shard)
                     handed = nbytes(unit.full)
@@ -65,11 +65,11 @@ class Stage3Hooks:
         """Launch the all-gather of ``shard`` (``None``: the own slice of ``unit.full``, in place) into
         ``unit.full``: a direct exchange on gloo (:mod:`.exchange`), the backend's collective otherwise."""
         if self.direct_exchange:
-            return exchange.all_gather(unit.full, self.group, shard, tag=exchange.TAG + 2 * unit.index + 1,
+            return exchange.all_gather(unit.full, unit.group, shard, tag=exchange.TAG + 2 * unit.index + 1,
                                        on_send=self.comm_stats.send)
         if shard is None:
             shard = unit.shard.clone()
-        return dist.all_gather_single(unit.full, shard, group=self.group, async_op=True)
+        return dist.all_gather_single(unit.full, shard, group=unit.group, async_op=True)
 
     def _finish_gather(self, unit: FlatUnit) -> None:
         unit.gather_work.wait()
