@@ -44,6 +44,7 @@ from shardwise.parallel.expert import step_metrics as moe_step_metrics
 from shardwise.parallel.grad_norm import clip_grad_norm
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import Pipeline, build_stage, partition
+from shardwise.parallel.pipeline.clip import tied_copies_elsewhere
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces
 from shardwise.parallel.zero.meta import materialize_buffers
@@ -120,6 +121,8 @@ class Engine:
         self.order = ReferenceOrder(cfg.model, self._named_parameters())
         # 4. the schedule of a step
         self.schedule = self._schedule()
+        self._tied_elsewhere = tied_copies_elsewhere(self.parts, [getattr(p, "stage", 0) for p in self.parts])
+        """The tied table's copy on the last stage: counted in the gradient norm by the first stage only."""
 
     # ---- composing the layout ---------------------------------------------------------------------
 
@@ -211,18 +214,9 @@ class Engine:
         # experts, its edp rank's slice), so the sum over the shard group counts it once: no sum over ep
         ep_group = None if self.zero else self.ep_group
         norm = clip_grad_norm(pieces, max_norm, tp_group=self.tp_group, shard_group=self.wrapper.shard_group,
-                              pp_group=self.pp_group, ep_group=ep_group, skip=self._counted_elsewhere(),
+                              pp_group=self.pp_group, ep_group=ep_group, skip=self._tied_elsewhere,
                               device=self.device)
         return found_inf, norm
-
-    def _counted_elsewhere(self) -> frozenset[int]:
-        """A table tied between the first and last stages is counted in the norm by the first stage only."""
-        skip = set()
-        for part in self.parts:
-            tied = getattr(part, "tied_weight", None)
-            if tied is not None and part.stage != 0:
-                skip.add(id(tied))
-        return frozenset(skip)
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, precision: str) -> torch.Tensor:
         return self.schedule.eval_loss(x, y)
@@ -235,9 +229,14 @@ class Engine:
         return self.ledger.pop_metrics()
 
     def step_metrics(self) -> dict[str, float]:
-        """The schedule's (a pipeline's bubble), the context-parallel attention work and the experts' load."""
-        return {**self.schedule.step_metrics(), **pop_attention_work(self.module),
-                **moe_step_metrics(self.module, self.group, self.pp_group if self.cfg.model.n_experts else None)}
+        """The schedule's (a pipeline's bubble), and where those techniques are on, the context-parallel
+        attention work and the experts' load (each a small collective; not looked for when off)."""
+        out = self.schedule.step_metrics()
+        if self.mesh.size("cp") > 1:
+            out.update(pop_attention_work(self.module))
+        if self.cfg.model.n_experts:
+            out.update(moe_step_metrics(self.module, self.group, self.pp_group))
+        return out
 
     def write_timeline(self, run_dir: Path, step: int) -> None:
         self.schedule.write_timeline(run_dir, step)
@@ -257,13 +256,15 @@ class Engine:
             pieces = zero_checkpoint_pieces(self.wrapper, self.optimizer, with_buffers=first and self.tp_rank == 0,
                                             ref_map=lambda i: self.order.ref[i])
             return pieces, groups
+        ep_writer = self.ep_group is not None and self.mesh.rank("edp") == 0  # the first ep group's experts
+        if not first and not ep_writer:
+            return [], groups
         local = [p for g in self.optimizer.param_groups for p in g["params"]]
         state = self.optimizer.state_dict()["state"]
         params = {self.order.ref[i]: p for i, p in enumerate(local)}
         moments = {self.order.ref[i]: st for i, st in state.items()}
-        if not first:  # with experts split over ep: the first ep group writes its experts
-            ep_writer = self.ep_group is not None and self.mesh.rank("edp") == 0
-            return (expert_state.expert_pieces(self.module, params, moments) if ep_writer else []), groups
+        if not first:
+            return expert_state.expert_pieces(self.module, params, moments), groups
         return ([piece for part in self.parts for piece in tp_state.model_pieces(part, self.tp_rank)]
                 + tp_state.optimizer_pieces(params, moments, self.tp_rank)), groups
 

@@ -20,16 +20,19 @@ from shardwise.parallel.grad_norm import parameter_pieces
 from shardwise.parallel.pipeline.executor import Pipeline
 
 
+def tied_copies_elsewhere(chunks, stages) -> frozenset[int]:
+    """The ``id`` of every copy of a table tied between the first and last stages that this rank holds on a
+    stage other than the first: the first stage counts the table in the norm, the others skip it.
+    ``stages``: each chunk's global stage."""
+    return frozenset(id(tied) for chunk, stage in zip(chunks, stages, strict=True)
+                     if (tied := getattr(chunk, "tied_weight", None)) is not None and stage != 0)
+
+
 def _pieces(pipe: Pipeline) -> tuple[list, frozenset[int]]:
-    """Every ``(grad, param)`` of the rank's stages, and the tied copy it must not count (the first stage
-    counts the table tied to the head)."""
-    pieces, skip = [], set()
-    for i, chunk in enumerate(pipe.chunks):
-        tied = getattr(chunk, "tied_weight", None)
-        if tied is not None and pipe.stage(i) != 0:
-            skip.add(id(tied))
-        pieces += parameter_pieces(chunk.parameters())
-    return list({id(p): (g, p) for g, p in pieces}.values()), frozenset(skip)
+    """Every ``(grad, param)`` of the rank's stages, and the tied copy it must not count."""
+    pieces = [pc for chunk in pipe.chunks for pc in parameter_pieces(chunk.parameters())]
+    skip = tied_copies_elsewhere(pipe.chunks, [pipe.stage(i) for i in range(len(pipe.chunks))])
+    return list({id(p): (g, p) for g, p in pieces}.values()), skip
 
 
 def global_grad_norm(pipe: Pipeline, group: dist.ProcessGroup | None = None, tp_group=None) -> torch.Tensor:
