@@ -161,7 +161,7 @@ def load_checkpoint(root: str | Path, model: nn.Module, optimizer) -> tuple[int,
     returns ``(step, extra)``, or None when there is none."""
     from shardwise.train.checkpoint import latest_valid_checkpoint
     from shardwise.train.sharded import materialized_optimizer_state
-    from shardwise.train.state import open_checkpoint
+    from shardwise.train.state import open_checkpoint, restore_rng
 
     found = latest_valid_checkpoint(Path(root), warn=print if dist.get_rank() == 0 else (lambda _m: None))
     if found is None:
@@ -173,7 +173,7 @@ def load_checkpoint(root: str | Path, model: nn.Module, optimizer) -> tuple[int,
     else:
         _inner(model).load_state_dict(dict(reader.model_state()))
         optimizer.load_state_dict(materialized_optimizer_state(reader.optimizer_state()))
-    torch.set_rng_state(reader.rng(dist.get_rank())[:torch.get_rng_state().numel()].clone())
+    restore_rng(reader, dist.get_rank())
     return int(reader.meta["step"]), reader.meta.get("extra", {})
 
 

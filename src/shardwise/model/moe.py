@@ -275,9 +275,3 @@ def moe_metrics(totals: torch.Tensor) -> dict[str, float]:
         "moe_tokens_per_expert_min": float(tokens.min()), "moe_tokens_per_expert_max": float(tokens.max()),
         "moe_tokens_per_expert_mean": float(tokens.mean()), "moe_dropped_frac": dropped / max(slots, 1.0),
     }
-
-
-def pop_moe_metrics(model: nn.Module) -> dict[str, float]:
-    """This rank's router metrics of the step (:func:`moe_metrics`), and reset; empty without MoE blocks."""
-    totals = pop_moe_totals(model)
-    return {} if totals is None else moe_metrics(totals)

@@ -40,11 +40,6 @@ from shardwise.model.moe import ExpertLinear, Experts, moe_layers, moe_metrics, 
 from shardwise.parallel.tensor import TPShard
 
 
-def ep_shard(p: torch.Tensor) -> TPShard | None:
-    """The expert-parallel metadata of a parameter (``None``: not an expert-parallel shard)."""
-    return getattr(p, "ep_shard", None)
-
-
 class _AllToAll(torch.autograd.Function):
     """Rows ``in_splits[j]`` of ``x`` to rank ``j``; backward sends the gradient back the same way reversed."""
 

@@ -53,10 +53,6 @@ def wait(work, timeout_s: float, what) -> None:
         raise TimeoutError(f"{what() if callable(what) else what}: no answer within {timeout_s:g} s")
 
 
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class PushCodec:
     """Encode a partition's gradient into the bytes a push sends, and decode them on the server.
 

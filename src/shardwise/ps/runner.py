@@ -128,8 +128,7 @@ def run_ps(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: 
     else:
         if reader is not None:
             sampler.load_state_dict(reader.meta["data"])
-            rng = reader.rng(rank)
-            torch.set_rng_state(rng[:torch.get_rng_state().numel()].clone())
+            train_state.restore_rng(reader, rank)
         local_losses, done = _work(cfg, run_dir, model, parts, codec, sampler, corpus, worker_group, log, save,
                                    start_step, stop_after)
         result.final_step = done

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import TrainConfig
+from shardwise.dist.comm.counting import nbytes
 from shardwise.parallel.grad_norm import clip_grad_norm
 from shardwise.ps import consistency, protocol
 from shardwise.ps.partition import Partition
@@ -143,7 +144,7 @@ class Server:
     # ---- pushes ---------------------------------------------------------------------------------
 
     def _push(self, w: int, clock: int, key: int, payload: torch.Tensor) -> None:
-        self.bytes_received += protocol.nbytes(payload)
+        self.bytes_received += nbytes(payload)
         self.pushes_received += 1
         self._grads[(clock, w)][key] = self.codec.decode(payload, self.parts[key].numel)
 
@@ -209,11 +210,11 @@ class Server:
             self.max_staleness_served = max(self.max_staleness_served, stale)
             info = torch.tensor([self.applied, self.updates, self.pushes_received, stale, self.last_norm],
                                 dtype=torch.float64)
-            reply = [info] + [p.detach().clone() for p in self.params.values()]
+            reply = [info] + [p.detach() for p in self.params.values()]  # sent and waited for before any step
             works = [dist.isend(t, dst=w, tag=protocol.REPLY) for t in reply]
             for work in works:
                 protocol.wait(work, self.timeout_s, f"ps server rank {self.rank}: the reply to worker rank {w}'s pull")
-            self.bytes_sent += sum(protocol.nbytes(t) for t in reply)
+            self.bytes_sent += sum(nbytes(t) for t in reply)
         self._pulls = waiting
 
     # ---- checkpoints ----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.dist.comm.counting import CommLedger
+from shardwise.dist.comm.counting import CommLedger, nbytes
 from shardwise.parallel.grad_norm import clip_grad_norm, parameter_pieces
 from shardwise.ps import protocol
 from shardwise.ps.partition import Partition
@@ -49,8 +49,9 @@ class Worker:
         self._keep: list[torch.Tensor] = []
         self.pulled: int | None = None
         """The clock whose weights the model holds (None: not pulled yet)."""
-        self.staleness: list[int] = []
-        self.wait_s = self.bytes_pulled = 0.0
+        self.staleness = {"last": 0, "max": 0, "sum": 0, "pulls": 0}
+        """The observed staleness of this run's pulls: the latest, the largest, their sum and count."""
+        self.wait_s = self.bytes_pulled = self.tail_s = 0.0
         self.server_info: dict[int, list[float]] = {}
         for name, p in self.params.items():
             if name in by_name:
@@ -79,12 +80,13 @@ class Worker:
                 protocol.wait(work, self.timeout_s, self._who(s, f"weights for clock {clock}"))
             for q, buf in zip(self.by_server[s], bufs, strict=True):
                 self.params[q.name].view(-1)[q.start:q.start + q.numel].copy_(buf)
-            self.bytes_pulled += sum(protocol.nbytes(t) for t in [info, *bufs])
+            self.bytes_pulled += sum(nbytes(t) for t in [info, *bufs])
             self.server_info[s] = info.tolist()
             stale = max(stale, int(info[3]))
         self.wait_s += time.perf_counter() - t0
         if not final:
-            self.staleness.append(stale)
+            st = self.staleness
+            st.update(last=stale, max=max(st["max"], stale), sum=st["sum"] + stale, pulls=st["pulls"] + 1)
         self.pulled = clock
 
     # ---- compute and push -----------------------------------------------------------------------
@@ -122,7 +124,7 @@ class Worker:
             flat = p.grad.detach().reshape(-1)
             for q in parts:
                 payload = self.codec.encode(q.key, flat[q.start:q.start + q.numel])
-                self.scheduler.ready(q.priority, q.key, protocol.nbytes(payload), (q, payload))
+                self.scheduler.ready(q.priority, q.key, nbytes(payload), (q, payload))
         return hook
 
     def _send_push(self, item) -> list:
@@ -133,7 +135,7 @@ class Worker:
         out = []
         for t, tag in ((hdr, protocol.HEADER), (payload, protocol.DATA)):
             self._count(t)
-            out.append((dist.isend(t, dst=q.server, tag=tag), protocol.nbytes(t), what))
+            out.append((dist.isend(t, dst=q.server, tag=tag), nbytes(t), what))
         return out
 
     # ---- control messages -----------------------------------------------------------------------
@@ -147,8 +149,8 @@ class Worker:
 
     def _count(self, t: torch.Tensor) -> None:
         stats = self.ledger["ps"]
-        stats.hand(protocol.nbytes(t), backend=False)
-        stats.send(protocol.nbytes(t))
+        stats.hand(nbytes(t), backend=False)
+        stats.send(nbytes(t))
 
     def _who(self, server: int, what: str) -> str:
         return f"ps worker rank {self.rank}: {what} to/from server rank {server}"
@@ -156,13 +158,12 @@ class Worker:
     def pop_metrics(self) -> dict[str, float]:
         """This step's measurements (the counters restart)."""
         comm = self.ledger.pop_metrics()
-        stale = self.staleness
+        st = self.staleness
         out = {
-            "ps_clock": float(self.clock), "ps_staleness": float(stale[-1]) if stale else 0.0,
-            "ps_staleness_max": float(max(stale, default=0)),
-            "ps_staleness_mean": sum(stale) / len(stale) if stale else 0.0,
+            "ps_clock": float(self.clock), "ps_staleness": float(st["last"]), "ps_staleness_max": float(st["max"]),
+            "ps_staleness_mean": st["sum"] / st["pulls"] if st["pulls"] else 0.0,
             "ps_wait_s": self.wait_s, "ps_bytes_pushed": comm.get("ps_sent_bytes", 0.0),
-            "ps_bytes_pulled": float(self.bytes_pulled), "ps_push_tail_s": getattr(self, "tail_s", 0.0),
+            "ps_bytes_pulled": float(self.bytes_pulled), "ps_push_tail_s": self.tail_s,
             **comm, **self.scheduler.pop_metrics(),
         }
         for i, s in enumerate(self.servers):

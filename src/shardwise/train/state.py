@@ -84,9 +84,15 @@ def restore(reader, engine, scaler, sampler, rank: int) -> int:
             raise CheckpointError("the checkpoint was not trained with fp16, but train.precision='fp16'")
         scaler.load_state_dict(meta["scaler"])
     sampler.load_state_dict(meta["data"])
+    restore_rng(reader, rank)
+    return int(meta["step"])
+
+
+def restore_rng(reader, rank: int) -> None:
+    """This rank's RNG states as :func:`gather_rng_states` saved them: the CPU's, and the GPU's when both
+    the checkpoint and this process have one."""
     rng = reader.rng(rank)
     n_cpu = torch.get_rng_state().numel()
     torch.set_rng_state(rng[:n_cpu].clone())
     if torch.cuda.is_available() and rng.numel() > n_cpu:
         torch.cuda.set_rng_state(rng[n_cpu:].clone())
-    return int(meta["step"])

@@ -51,8 +51,10 @@ class SequenceLayout:
             raise ValueError(f"data.seq_len={seq_len} does not divide into {self.chunks} chunks for parallel.cp="
                              f"{self.cp} with parallel.cp_balance={self.balance!r}; use a multiple of {self.chunks}")
 
+    @functools.lru_cache(maxsize=32)  # noqa: B019 - a few small layouts per run; asked for by every layer
     def positions(self, local_len: int, rank: int | None = None, device=None) -> torch.Tensor:
-        """Global positions (int64, increasing) of the ``local_len`` tokens ``rank`` holds."""
+        """Global positions (int64, increasing) of the ``local_len`` tokens ``rank`` holds (cached: every
+        layer's rotation asks for the same ones; callers index with it and never write to it)."""
         per = local_len // len(self.chunk_ids(rank))
         ids = [torch.arange(c * per, (c + 1) * per, device=device) for c in self.chunk_ids(rank)]
         return torch.cat(ids)
