@@ -68,7 +68,8 @@ class Worker:
         recvs = []
         for s in self.servers:  # receives first: the server's reply never waits for them
             info = torch.empty(protocol.INFO, dtype=torch.float64)
-            bufs = [torch.empty(q.numel) for q in self.by_server[s]]
+            # straight into the parameters' slices (contiguous runs of the flattened tensors; fp32)
+            bufs = [self.params[q.name].view(-1)[q.start:q.start + q.numel] for q in self.by_server[s]]
             recvs.append((s, info, bufs, [dist.irecv(t, src=s, tag=protocol.REPLY) for t in [info, *bufs]]))
         for s in self.servers:
             hdr = protocol.header(protocol.PULL, clock, float(final))
@@ -78,8 +79,6 @@ class Worker:
         for s, info, bufs, works in recvs:
             for work in works:
                 protocol.wait(work, self.timeout_s, self._who(s, f"weights for clock {clock}"))
-            for q, buf in zip(self.by_server[s], bufs, strict=True):
-                self.params[q.name].view(-1)[q.start:q.start + q.numel].copy_(buf)
             self.bytes_pulled += sum(nbytes(t) for t in [info, *bufs])
             self.server_info[s] = info.tolist()
             stale = max(stale, int(info[3]))
