@@ -31,11 +31,12 @@ from shardwise.ps.partition import partition_model
 from shardwise.ps.server import Server
 from shardwise.ps.worker import Worker
 from shardwise.train import state as train_state
+from shardwise.train import tp_state
 from shardwise.train.checkpoint import latest_valid_checkpoint
 from shardwise.train.metrics import MetricsLogger
 from shardwise.train.optim import build_optimizer, lr_at, set_lr
 from shardwise.train.precision import autocast_context
-from shardwise.train.sharded import Piece, save_sharded, whole
+from shardwise.train.sharded import save_sharded, whole
 
 
 def straggler(text: str) -> tuple[int, float]:
@@ -212,15 +213,9 @@ def _evaluate(model, windows, tcfg, rank: int, n_workers: int, group) -> float |
 
 
 def _gather_state(model, server: Server | None, names: dict[str, list[str]], rank: int) -> dict[str, torch.Tensor]:
-    """The whole model on rank 0 (the servers' partitions over worker 0's buffers); a world collective."""
-    mine: list[Piece] = server.checkpoint_pieces(names) if server is not None else []
-    mine = [(p.key, p.start, p.values.clone()) for p in mine if p.key.startswith("model/")]
-    out = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, out, dst=0)
-    if rank != 0:
-        return {}
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for pieces in out:
-        for key, start, values in pieces:
-            state[key.removeprefix("model/")].view(-1)[start:start + values.numel()] = values
-    return state
+    """The whole model on rank 0: the servers' partitions written over worker 0's state (which brings the
+    buffers); a world collective (:func:`shardwise.train.tp_state.gather_pieces`)."""
+    mine = [p for p in server.checkpoint_pieces(names) if p.key.startswith("model/")] if server is not None else []
+    if rank == 0:  # a worker: the servers are the last ranks, so their pieces land after these
+        mine = [whole(f"model/{k}", v.detach()) for k, v in model.state_dict().items()] + mine
+    return tp_state.gather_pieces(mine)
