@@ -142,7 +142,7 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer, ke
         pieces = []
         if rank == 0:  # replicas are equal: one writes
             pieces = [whole(f"model/{k}", v) for k, v in _inner(model).state_dict().items()]
-            pieces += [whole(f"optim/{i}/{k}", v if v.dim() else v.reshape(()))
+            pieces += [whole(f"optim/{i}/{k}", v)
                        for i, st in state["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)]
     rng = train_state.gather_rng_states()
     meta = None

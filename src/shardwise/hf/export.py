@@ -23,8 +23,6 @@ from safetensors.torch import save_file
 from shardwise.hf.config_map import hf_config
 from shardwise.hf.weights import to_hf
 
-FORMATS = ("hf",)
-
 
 def export_run(run_dir: Path, out_dir: Path, checkpoint: Path | None = None) -> Path:
     """Write the run's model (newest valid checkpoint, or ``checkpoint``) and tokenizer to ``out_dir``."""
