@@ -253,8 +253,8 @@ def pop_moe_totals(model: nn.Module) -> torch.Tensor | None:
     layers = moe_layers(model)
     if not layers:
         return None
-    aux = sum((m.stats.totals()[0] for m in layers if m.stats.calls), 0.0)
-    z = sum((m.stats.totals()[1] for m in layers if m.stats.calls), 0.0)
+    losses = [m.stats.totals() for m in layers if m.stats.calls]
+    aux, z = sum((a for a, _ in losses), 0.0), sum((b for _, b in losses), 0.0)
     tail = [sum(m.stats.slots for m in layers), sum(m.stats.dropped for m in layers), aux, z,
             sum(m.stats.calls for m in layers)]
     out = torch.cat([torch.cat([m.stats.tokens for m in layers]), torch.tensor(tail, dtype=torch.float64)])

@@ -191,7 +191,7 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.advance()
         out = self.head(x, targets)
-        if targets is not None and self.training:
+        if targets is not None and self.training and self.cfg.n_experts:
             for moe in moe_layers(self):
                 moe.record()
             aux = moe_aux_loss(self)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.dist.comm.counting import CommStats
-from shardwise.model.moe import moe_aux_loss
+from shardwise.model.moe import moe_aux_loss, moe_layers
 from shardwise.parallel.pipeline.p2p import P2P, message_tag
 from shardwise.parallel.pipeline.schedules import (
     COMM,
@@ -106,6 +106,8 @@ class Pipeline:
                 defer_linear_weight_grads(chunk, self.weight_grads)
         self.forward_context = forward_context
         self.loss_scale = 1.0
+        self.moe_chunks = {c for c, chunk in enumerate(self.chunks) if moe_layers(chunk)}
+        """Chunks with mixture-of-experts blocks, whose router losses their backward adds."""
         self.aux_loss = torch.zeros((), dtype=torch.float64)
         """The last step's weighted auxiliary losses of this rank's stages before the last, mean over
         micro-batches (a part of the single-process loss the last stage does not see)."""
@@ -186,7 +188,7 @@ class Pipeline:
                     out = out / self.m
                     if self.loss_scale != 1.0:
                         out = out * self.loss_scale
-                elif (aux := moe_aux_loss(self.chunks[c])) is not None and aux.requires_grad:
+                elif c in self.moe_chunks and (aux := moe_aux_loss(self.chunks[c])) is not None and aux.requires_grad:
                     aux_sum += aux.detach().double()
                     saved_aux[(c, i)] = aux * (self.loss_scale / self.m)
                 if s > 0:

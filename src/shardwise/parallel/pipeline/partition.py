@@ -186,13 +186,13 @@ class StageModule(nn.Module):
             x = Transformer.embed(self, x)
         for block in self.blocks.values():
             x = block(x)
-        if self.training and torch.is_grad_enabled():  # the routers' statistics, as Transformer.forward
+        if self.cfg.n_experts and self.training and torch.is_grad_enabled():  # as Transformer.forward
             for moe in moe_layers(self):
                 moe.record()
         if not self.is_last:  # earlier stages' auxiliary losses: the executor backpropagates them
             return x
         out = Transformer.head(self, x, targets)
-        if targets is not None and self.training and (aux := moe_aux_loss(self)) is not None:
+        if targets is not None and self.training and self.cfg.n_experts and (aux := moe_aux_loss(self)) is not None:
             out = out + aux.to(out.dtype)  # this stage's blocks' share, as Transformer.forward adds them all
         return out
 
