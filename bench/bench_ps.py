@@ -10,7 +10,12 @@ straggler), bsp, ssp with s = 1 and s = 3, asp. From each run's own logs (``metr
 * the validation loss at the end of the same number of steps, and the wall time it took;
 * bytes per worker per step: pushed + pulled (measured from the tensors sent and received), against
   all-reduce's ``comm_bytes`` (what the all-reduce was handed; its ring moves 2(n-1)/n of it);
-* a plot of worker 0's loss against wall time per variant (``--plot``).
+* a plot of worker 0's loss against wall time per variant (``--plot``);
+* for bsp and each ssp(s), the validation loss of the deterministic one-process reference
+  (:mod:`shardwise.ps.delayed`): the same training with the fast workers' gradients exactly s clocks stale,
+  which under a straggler is what ssp computes (``tests/test_ps.py`` pins it to 1e-5) -- it separates what
+  staleness costs the optimizer from anything the timing of a run adds;
+* the training loss of each variant at the same wall time (the shortest run's), read off its curve.
 
 The all-reduce run has no straggler (``ps.straggler`` is a parameter-server field): its row is the
 synchronous baseline, which a straggler would slow by its whole delay every step, as it slows bsp.
@@ -34,13 +39,35 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def train(run_dir: Path, nproc: int, args, extra: dict[str, str]) -> None:
-    overrides = {"model.preset": args.preset, "data.max_bytes": str(args.max_bytes), "train.steps": str(args.steps),
-                 "train.global_batch": str(args.global_batch), "train.precision": "fp32",
-                 "train.eval_every": "0", "ckpt.every": "0", "parallel.nproc": str(nproc), "run.device": "cpu",
-                 "run.dir": str(run_dir), "run.progress": "false", "run.tensorboard": "false", **extra}
+    overrides_ = {**overrides(run_dir, nproc, args), **extra}
     cli = "import sys; from shardwise.cli import main; sys.exit(main())"
-    cmd = [sys.executable, "-c", cli, "train"] + [a for k, v in overrides.items() for a in (f"--{k}", v)]
+    cmd = [sys.executable, "-c", cli, "train"] + [a for k, v in overrides_.items() for a in (f"--{k}", v)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=os.environ.copy())
+
+
+def overrides(run_dir: Path, nproc: int, args) -> dict[str, str]:
+    return {"model.preset": args.preset, "data.max_bytes": str(args.max_bytes), "train.steps": str(args.steps),
+            "train.global_batch": str(args.global_batch), "train.precision": "fp32", "train.lr": str(args.lr),
+            "train.eval_every": "0", "ckpt.every": "0", "parallel.nproc": str(nproc), "run.device": "cpu",
+            "run.dir": str(run_dir), "run.progress": "false", "run.tensorboard": "false"}
+
+
+def delayed_val_loss(run_dir: Path, args, staleness: int) -> float | None:
+    """Validation loss of one process training with worker 0..W-2's gradients ``staleness`` clocks old
+    and the straggler's (worker 1's) fresh -- the trajectory of ssp(s) under the benchmark's straggler."""
+    from shardwise.config import Config
+    from shardwise.launch import prepare_run
+    from shardwise.ps.delayed import train_delayed
+
+    cfg, _ = prepare_run(Config.load(overrides=overrides(run_dir, args.workers, args)))
+    delays = [0 if w == 1 else staleness for w in range(args.workers)]
+    return train_delayed(cfg, run_dir, delays).val_loss
+
+
+def loss_at(curve: list[tuple[float, float]], t: float, window: int = 5) -> float:
+    """The mean training loss of the last ``window`` steps done by wall time ``t``."""
+    done = [loss for when, loss in curve if when <= t][-window:]
+    return sum(done) / len(done) if done else float("nan")
 
 
 def lines(path: Path) -> list[dict]:
@@ -85,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="cpu-demo")
     ap.add_argument("--max-bytes", type=int, default=2_000_000)
     ap.add_argument("--straggler-factor", type=float, default=2.0)
+    ap.add_argument("--lr", type=float, default=4e-3)
     ap.add_argument("--modes", default="bsp,ssp1,ssp3,asp")
     ap.add_argument("--json", type=Path, default=RESULTS / "ps.json")
     ap.add_argument("--plot", type=Path, default=None)
@@ -104,11 +132,21 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = Path(tmp) / mode
             train(run_dir, args.workers + args.servers, args, extra)
             results[mode] = summarize(run_dir, args.workers, ps=True)
+            if mode == "bsp" or mode.startswith("ssp"):
+                results[mode]["delayed_reference_val_loss"] = delayed_val_loss(
+                    Path(tmp) / f"delayed-{mode}", args, int(mode[3:] or 0) if mode.startswith("ssp") else 0)
+    same_time = min(r["wall_s"] for r in results.values())
+    for r in results.values():
+        r["loss_at_same_time"] = loss_at(r["curve"], same_time)
     n = args.workers
     print(f"{args.workers} workers, {args.servers} server(s), straggler delay {delay} ms/step, {args.steps} steps")
-    print(f"{'variant':10} {'steps/s fast':>12} {'wall s':>8} {'val loss':>9} {'MB/worker/step':>15} {'stale max':>9}")
+    print(f"{'variant':10} {'steps/s fast':>12} {'wall s':>8} {'val loss':>9} {'delayed ref':>11} "
+          f"{f'loss@{same_time:.0f}s':>9} {'MB/worker/step':>15} {'stale max':>9}")
+    nan = float("nan")
     for name, r in results.items():
-        print(f"{name:10} {r['steps_per_s_fast']:12.2f} {r['wall_s']:8.1f} {r['final_val_loss'] or float('nan'):9.4f} "
+        ref = r.get("delayed_reference_val_loss")
+        print(f"{name:10} {r['steps_per_s_fast']:12.2f} {r['wall_s']:8.1f} {r['final_val_loss'] or nan:9.4f} "
+              f"{nan if ref is None else ref:11.4f} {r['loss_at_same_time']:9.4f} "
               f"{r['bytes_per_worker_step'] / 1e6:15.2f} {r.get('staleness_max', 0):9.0f}")
     print(f"all-reduce ring puts 2(n-1)/n = {2 * (n - 1) / n:.2f} x M on the wire per worker; "
           "a parameter-server worker pushes M and pulls M")

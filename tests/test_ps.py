@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardwise.model import Transformer
+from shardwise.ps.partition import partition_model
 from tests.harness import run_on_ranks
 from tests.test_train import assert_same_training, make_config
 
@@ -62,6 +64,10 @@ def test_bsp_equals_one_process(one_process, ref_dir, tmp_path, cache_dir, serve
         assert abs(r["ps_update_grad_norm"] - ref_norm[r["step"] - 1]) < 1e-4
     if servers == 2:
         assert all(r["ps_push_max_in_flight_bytes"] <= 16 * 1024 + 64 for r in rec)
+        # priority pulls: every partition is waited for by the forward pre-hook of the module using it
+        n_parts = len(partition_model(Transformer(make_config(tmp_path / "bsp", cache_dir, 1).model), 8 * 1024, 2))
+        assert all(r["ps_pull_lazy_waits"] == n_parts for r in rec)
+        assert all(0.0 <= r["ps_pull_overlap_frac"] <= 1.0 for r in rec)
 
 
 def test_ssp_with_zero_staleness_and_full_topk_equal_one_process(one_process, tmp_path, cache_dir):
@@ -89,6 +95,26 @@ def test_ssp_bound_holds_under_a_straggler(tmp_path, cache_dir):
     assert server["max_staleness_served"] <= s and server["updates"] == 6  # one update per complete clock
 
 
+def test_ssp_under_a_straggler_trains_what_delayed_gradients_train(one_process, tmp_path, cache_dir):
+    """ssp with s = 1 and a straggler slower than a fast step: the fast worker reads exactly one clock stale
+    and the straggler fresh weights, so the run is the deterministic delayed-gradient computation of one
+    process (shardwise.ps.delayed) -- the servers average stale gradients as Ho et al.'s SSP says, no more.
+    The reference itself, with no delay, is the one-process run."""
+    from shardwise.ps.delayed import train_delayed
+
+    losses, state = run(tmp_path, cache_dir, "ssp1", 3, **PS, **{"ps.consistency": "ssp", "ps.staleness": 1,
+                                                                 "ps.straggler": "1:500"})
+    fast = records(tmp_path / "ssp1", 0)
+    assert [r["ps_staleness"] for r in fast[1:]] == [1] * (len(fast) - 1), "the fast worker should lag by s"
+    cfg = make_config(tmp_path / "delayed", cache_dir, 2, **STEPS)  # the two workers' micro-batches
+    fresh = train_delayed(cfg, tmp_path / "delayed", delays=[0, 0])
+    assert_same_training((fresh.losses, fresh.state_dict), one_process, atol=1e-5)
+    stale = train_delayed(cfg, tmp_path / "delayed", delays=[1, 0])
+    assert_same_training((losses, state), (stale.losses, stale.state_dict), atol=1e-5)
+    assert (stale.state_dict["tok_emb.weight"] - fresh.state_dict["tok_emb.weight"]).abs().max() > 1e-4, \
+        "one clock of staleness should change the weights"
+
+
 def test_asp_with_a_straggler_and_int8_pushes_trains(tmp_path, cache_dir):
     """asp: every push applied on arrival (2 workers x 6 clocks), no crash, loss falls; bytes counted."""
     losses, state = run(tmp_path, cache_dir, "asp", 3, **PS, **{"ps.consistency": "asp", "ps.straggler": "1:300",
@@ -111,7 +137,7 @@ def test_asp_with_a_straggler_and_int8_pushes_trains(tmp_path, cache_dir):
 def test_a_100mb_tensor_makes_25_partitions_covering_it():
     from torch import nn
 
-    from shardwise.ps.partition import check_cover, partition_model
+    from shardwise.ps.partition import check_cover
 
     with torch.device("meta"):
         model = nn.ModuleDict({"big": nn.Linear(5000, 5000, bias=False), "small": nn.Linear(10, 3)})
@@ -221,4 +247,5 @@ def test_a_failed_rank_is_named_and_nothing_hangs(tmp_path, cache_dir, fail_rank
         assert "ps worker rank 0: the other workers' losses of step 4: no answer within 6 s" in text
     else:
         for worker in (0, 1):
-            assert f"ps worker rank {worker}: weights for clock 4 to/from server rank 2: no answer within 6 s" in text
+            assert (f"ps worker rank {worker}: the answer to the pull of clock 4 to/from server rank 2: "
+                    "no answer within 6 s") in text

@@ -79,6 +79,13 @@ def partition_model(model: nn.Module, partition_bytes: int, n_servers: int) -> l
     return [Partition(key, *r, server=s) for key, (r, s) in enumerate(zip(raw, owners, strict=True))]
 
 
+def forward_order(partitions: Iterable[Partition]) -> list[Partition]:
+    """``partitions`` in the order the forward pass needs them (by priority, then key): the order in which a
+    server sends a pull's reply and a worker posts its receives (point-to-point messages of one tag match
+    in order), so the input's layers arrive first (P3, Jayarajan et al. SysML 2019 §3)."""
+    return sorted(partitions, key=lambda q: (q.priority, q.key))
+
+
 def check_cover(partitions: Iterable[Partition], shapes: dict[str, tuple[int, ...]]) -> None:
     """Raise ValueError unless the partitions cover every tensor of ``shapes`` exactly once."""
     seen: dict[str, int] = {}

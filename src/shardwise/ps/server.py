@@ -30,7 +30,7 @@ from shardwise.config import TrainConfig
 from shardwise.dist.comm.counting import nbytes
 from shardwise.parallel.grad_norm import clip_grad_norm
 from shardwise.ps import consistency, protocol
-from shardwise.ps.partition import Partition
+from shardwise.ps.partition import Partition, forward_order
 from shardwise.train.optim import lr_at, set_lr
 from shardwise.train.sharded import Piece
 
@@ -46,6 +46,7 @@ class Server:
         self.rank, self.workers, self.tcfg = dist.get_rank(), list(workers), tcfg
         self.mode, self.staleness, self.codec, self.group = mode, staleness, codec, group
         self.timeout_s = timeout_s
+        self.reply_order = [q.key for q in forward_order(partitions)]
         self.params = {k: nn.Parameter(initial[q.name].detach().reshape(-1)[q.start:q.start + q.numel].float().clone())
                        for k, q in self.parts.items()}
         groups = [{"params": [self.params[k] for k, q in self.parts.items() if q.decay == d],
@@ -210,7 +211,8 @@ class Server:
             self.max_staleness_served = max(self.max_staleness_served, stale)
             info = torch.tensor([self.applied, self.updates, self.pushes_received, stale, self.last_norm],
                                 dtype=torch.float64)
-            reply = [info] + [p.detach() for p in self.params.values()]  # sent and waited for before any step
+            # in the forward order, sent and waited for before any step
+            reply = [info] + [self.params[k].detach() for k in self.reply_order]
             works = [dist.isend(t, dst=w, tag=protocol.REPLY) for t in reply]
             for work in works:
                 protocol.wait(work, self.timeout_s, f"ps server rank {self.rank}: the reply to worker rank {w}'s pull")

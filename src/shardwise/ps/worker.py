@@ -6,6 +6,12 @@ on the worker's micro-batches, and *push* each partition's gradient as soon as b
 from a gradient hook, in the order :mod:`shardwise.ps.scheduling` chooses -- then tell every server the
 clock is complete (END). Compression of pushes: :class:`shardwise.ps.protocol.PushCodec`.
 
+Replies arrive in the forward order (:func:`shardwise.ps.partition.forward_order`). With ``priority``
+scheduling the worker also does not wait for the whole reply before computing (P3, Jayarajan et al. SysML
+2019 §3, "parameter slicing and priority-based propagation"): the forward pass starts once every server
+answered, and a forward pre-hook on each module waits only for its own parameters' partitions, so the
+later layers' weights arrive while the first layers compute. ``fifo`` waits for every partition first.
+
 Everything sent is counted from the tensors handed to ``isend`` (:mod:`shardwise.dist.comm.counting`);
 pulled bytes from the tensors received. Every wait is bounded by ``timeout_s`` and names the server.
 """
@@ -22,7 +28,7 @@ from torch import nn
 from shardwise.dist.comm.counting import CommLedger, nbytes
 from shardwise.parallel.grad_norm import clip_grad_norm, parameter_pieces
 from shardwise.ps import protocol
-from shardwise.ps.partition import Partition
+from shardwise.ps.partition import Partition, forward_order
 from shardwise.ps.scheduling import PushScheduler
 from shardwise.train.precision import autocast_context
 
@@ -37,7 +43,7 @@ class Worker:
         self.parts = sorted(partitions, key=lambda q: q.key)
         self.by_server: dict[int, list[Partition]] = defaultdict(list)
         by_name: dict[str, list[Partition]] = defaultdict(list)
-        for q in self.parts:
+        for q in forward_order(self.parts):  # the order of a server's reply
             self.by_server[q.server].append(q)
             by_name[q.name].append(q)
         self.servers = sorted(self.by_server)
@@ -53,47 +59,101 @@ class Worker:
         """The observed staleness of this run's pulls: the latest, the largest, their sum and count."""
         self.wait_s = self.bytes_pulled = self.tail_s = 0.0
         self.server_info: dict[int, list[float]] = {}
+        self.lazy_pulls = policy == "priority"
+        self._pending: dict[int, list[tuple]] = {}
+        """id(parameter) -> the receives of its partitions not waited for yet (priority pulls)."""
+        self.pull_timing = {"requested": 0.0, "forward": 0.0, "last": 0.0, "lazy_waits": 0}
         for name, p in self.params.items():
             if name in by_name:
                 p.register_post_accumulate_grad_hook(self._hook(by_name[name]))
+        if self.lazy_pulls:
+            pulled = {id(self.params[q.name]) for q in self.parts}
+            for module in model.modules():
+                if any(id(p) in pulled for p in module.parameters(recurse=False)):
+                    module.register_forward_pre_hook(self._await_params)
 
     # ---- pull -----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def pull(self, clock: int, final: bool = False) -> None:
-        """Load the servers' weights for ``clock`` into the model (blocks as the consistency rule says)."""
+    def pull(self, clock: int, final: bool = False, lazy: bool = False) -> None:
+        """Load the servers' weights for ``clock`` into the model (blocks as the consistency rule says).
+        ``lazy``: return once every server answered; each partition is waited for by the forward pre-hook
+        of the module that uses it (:meth:`_await_params`), or by :meth:`finish_pull`."""
         if self.pulled == clock and not final:
             return
+        self.finish_pull()
         t0 = time.perf_counter()
         recvs = []
         for s in self.servers:  # receives first: the server's reply never waits for them
             info = torch.empty(protocol.INFO, dtype=torch.float64)
+            info_work = dist.irecv(info, src=s, tag=protocol.REPLY)
             # straight into the parameters' slices (contiguous runs of the flattened tensors; fp32)
-            bufs = [self.params[q.name].view(-1)[q.start:q.start + q.numel] for q in self.by_server[s]]
-            recvs.append((s, info, bufs, [dist.irecv(t, src=s, tag=protocol.REPLY) for t in [info, *bufs]]))
+            parts = [(q, self.params[q.name].view(-1)[q.start:q.start + q.numel]) for q in self.by_server[s]]
+            works = [(q, buf, dist.irecv(buf, src=s, tag=protocol.REPLY)) for q, buf in parts]
+            recvs.append((s, info, info_work, works))
         for s in self.servers:
             hdr = protocol.header(protocol.PULL, clock, float(final))
             self._count(hdr)
             protocol.wait(dist.isend(hdr, dst=s, tag=protocol.HEADER), self.timeout_s, self._who(s, "pull request"))
         stale = 0
-        for s, info, bufs, works in recvs:
-            for work in works:
-                protocol.wait(work, self.timeout_s, self._who(s, f"weights for clock {clock}"))
-            self.bytes_pulled += sum(nbytes(t) for t in [info, *bufs])
+        for s, info, info_work, parts in recvs:
+            protocol.wait(info_work, self.timeout_s, self._who(s, f"the answer to the pull of clock {clock}"))
             self.server_info[s] = info.tolist()
             stale = max(stale, int(info[3]))
+            self.bytes_pulled += nbytes(info) + sum(nbytes(buf) for _, buf, _ in parts)
+            for q, _, work in parts:
+                what = self._who(s, f"weights of key {q.key} for clock {clock}")
+                self._pending.setdefault(id(self.params[q.name]), []).append((work, what))
+        self.pull_timing.update(requested=t0, forward=0.0, last=0.0)
+        if not lazy:
+            self.finish_pull()
         self.wait_s += time.perf_counter() - t0
         if not final:
             st = self.staleness
             st.update(last=stale, max=max(st["max"], stale), sum=st["sum"] + stale, pulls=st["pulls"] + 1)
         self.pulled = clock
 
+    def finish_pull(self) -> None:
+        """Wait for every partition of the last pull not waited for yet."""
+        t0 = time.perf_counter()
+        for works in self._pending.values():
+            for work, what in works:
+                protocol.wait(work, self.timeout_s, what)
+        if self._pending:
+            self.pull_timing["last"] = time.perf_counter()
+            self.wait_s += self.pull_timing["last"] - t0
+        self._pending.clear()
+
+    def _await_params(self, module: nn.Module, args) -> None:
+        """Forward pre-hook (priority pulls): wait for the partitions of this module's own parameters."""
+        if not self._pending:
+            return
+        t0 = time.perf_counter()
+        if not self.pull_timing["forward"]:
+            self.pull_timing["forward"] = t0
+        waited = False
+        for p in module.parameters(recurse=False):
+            for work, what in self._pending.pop(id(p), ()):
+                protocol.wait(work, self.timeout_s, what)
+                self.pull_timing["lazy_waits"] += 1
+                waited = True
+        if waited:
+            self.pull_timing["last"] = time.perf_counter()
+            self.wait_s += self.pull_timing["last"] - t0
+
+    def pull_overlap_frac(self) -> float:
+        """The share of the last pull's span (request sent to last partition in) after the forward began."""
+        t = self.pull_timing
+        if not t["forward"] or t["last"] <= t["requested"]:
+            return 0.0
+        return min(1.0, max(0.0, t["last"] - t["forward"]) / (t["last"] - t["requested"]))
+
     # ---- compute and push -----------------------------------------------------------------------
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str, asp: bool) -> tuple[float, float]:
         """One clock: pull, forward/backward on ``batches`` with pushes from gradient hooks, END to every
         server. Returns (mean loss, this worker's gradient norm)."""
-        self.pull(self.clock)
+        self.pull(self.clock, lazy=self.lazy_pulls)
         if self.delay_s:
             time.sleep(self.delay_s)  # an injected straggler
         device = next(self.model.parameters()).device
@@ -103,6 +163,7 @@ class Worker:
             with autocast_context(precision, device.type):
                 loss = self.model(x, y)
             loss_sum += loss.detach()
+            self.finish_pull()  # a partition no module claimed (none today): in before its gradient
             (loss / len(batches)).backward()
         self._pushing = False
         self.tail_s = self.scheduler.flush()
@@ -165,6 +226,10 @@ class Worker:
             "ps_bytes_pulled": float(self.bytes_pulled), "ps_push_tail_s": self.tail_s,
             **comm, **self.scheduler.pop_metrics(),
         }
+        if self.lazy_pulls:
+            out["ps_pull_overlap_frac"] = self.pull_overlap_frac()
+            out["ps_pull_lazy_waits"] = float(self.pull_timing["lazy_waits"])
+            self.pull_timing["lazy_waits"] = 0
         for i, s in enumerate(self.servers):
             if s in self.server_info:
                 out[f"ps_server{i}_updates"] = self.server_info[s][1]
