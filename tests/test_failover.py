@@ -86,6 +86,19 @@ def test_pipeline_survives_a_stopped_stage(tmp_path, cache_dir):
     assert "Timed out" in failure["error"] and "(" in failure["error"].split(" failed")[0], "names the call site"
 
 
+def test_a_failure_that_repeats_is_not_retried(tmp_path, cache_dir):
+    """The same error on the same rank ends attempts 0 and 1 (``raise@1:r1`` twice): attempt 2 finds it twice in
+    failures.jsonl, every worker stops before training, and the launch fails with one line naming the rank and
+    the error -- instead of burning the remaining restarts on a failure that is not transient."""
+    run_dir = tmp_path / "repeat"
+    make_config(run_dir, cache_dir, 2, **{"train.steps": 3, "run.max_restarts": 3})
+    proc = _launch(run_dir, "--run.fault", "raise@1:r1,raise@1:r1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "rank 1 failed the same way in attempts 0 and 1" in out and "injected error after step 1 on rank 1" in out
+    assert {r["attempt"] for r in failures(run_dir)} == {0, 1}, "no attempt after the one that gave up trained"
+
+
 @pytest.mark.parametrize(("fault", "fragment"), [
     ("kill@3", "is not KIND@STEP:rRANK"),
     ("boom@3:r0", "is not KIND@STEP:rRANK"),

@@ -1,6 +1,6 @@
 """Pipeline messages through host memory: stages sharing one GPU run on gloo, whose point-to-point takes
 CPU tensors only, so a CUDA activation is sent from a CPU copy and received into a CPU buffer copied
-onto the device when waited for (parallel/pipeline/p2p.py). Forced on here (CPU to CPU), the staged
+onto the device when waited for (parallel/pipeline/transfer.py). Forced on here (CPU to CPU), the staged
 path must give the single-process loss and gradients, the tied embedding's too, and the same
 validation loss."""
 

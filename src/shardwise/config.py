@@ -351,7 +351,7 @@ class RunConfig:
     timeouts); each restart resumes from the newest valid checkpoint. Default 3 with ckpt.every > 0, else 0."""
     fault: str = ""
     """For failover tests only: failures to inject, "KIND@STEP:rRANK,..." (the i-th in restart attempt i;
-    KIND kill, stop, hang or save), see shardwise.train.faults. Empty (the default): none."""
+    KIND kill, stop, hang, save or raise), see shardwise.train.faults. Empty (the default): none."""
 
 
 @dataclass

@@ -10,6 +10,7 @@ on several machines run ``torchrun --nnodes ... -m shardwise.train`` instead, wh
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import shlex
@@ -128,6 +129,7 @@ def _spawn(cfg: Config, run_dir: Path, nproc: int, debug: bool) -> None:
 
     from shardwise.dist.mesh import free_port
     from shardwise.dist.nodes import node_settings
+    from shardwise.train.recovery import GAVE_UP_FILE
 
     p = cfg.parallel
     rdzv = dict(run_id=f"shardwise-{uuid.uuid4().hex[:8]}", rdzv_endpoint=f"127.0.0.1:{free_port()}")
@@ -154,8 +156,12 @@ def _spawn(cfg: Config, run_dir: Path, nproc: int, debug: bool) -> None:
         for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
             logging.getLogger(name).setLevel(logging.CRITICAL)  # its modules set levels of their own
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    gave_up = run_dir / GAVE_UP_FILE
+    gave_up.unlink(missing_ok=True)
     try:
         elastic_launch(launch_cfg, worker_entry)(cfg.to_dict(), str(run_dir))
+        if gave_up.is_file():
+            raise WorkerFailed(json.loads(gave_up.read_text(encoding="utf-8"))["cause"])
     except SignalException as e:  # the launcher stops the workers (SIGTERM), then raises this
         raise Interrupted(run_dir, e.sigval) from None
     except RendezvousError as e:  # unreachable endpoint, or fewer than nnodes nodes joined in time
@@ -176,8 +182,13 @@ def worker_entry(cfg_tree: dict, run_dir: str) -> None:
     from shardwise.dist.diagnose import diagnosed, run_dir_recorder
     from shardwise.dist.mesh import shutdown_distributed
     from shardwise.train.loop import train
+    from shardwise.train.recovery import give_up, repeated_failure
 
     def run() -> None:
+        cause = repeated_failure(Path(run_dir))
+        if cause is not None:  # every worker reads the same file: the whole group stops here, cleanly
+            give_up(Path(run_dir), cause)
+            return
         # a failed collective names itself and the ranks that did not answer; every failure is recorded
         # in RUN_DIR/failures.jsonl for the restarted group to report (train/recovery.py)
         diagnosed(lambda: train(Config.from_dict(cfg_tree), Path(run_dir)), run_dir_recorder(Path(run_dir)))

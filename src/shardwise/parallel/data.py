@@ -53,7 +53,7 @@ AllReduceFn = Callable[[torch.Tensor, "dist.ProcessGroup | None"], "dist.Work | 
 an async handle to wait on. The one seam through which other all-reduce algorithms plug in."""
 
 
-def native_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work:
+def start_native_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work:
     """The backend's own all-reduce (sum), launched asynchronously."""
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
@@ -181,7 +181,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self.all_reduce_fn = all_reduce_fn or native_all_reduce
+        self.all_reduce_fn = all_reduce_fn or start_native_all_reduce
         self.comm_bytes_last_step = 0
         """Bytes handed to all-reduce in the last synchronisation (gradients plus flags)."""
         self.overlapped_buckets_last_step = 0
@@ -190,7 +190,7 @@ class DataParallel(nn.Module):
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._buckets: list[_Bucket] = []
         self._hooks = []
-        asynchronous = getattr(self.all_reduce_fn, "asynchronous", self.all_reduce_fn is native_all_reduce)
+        asynchronous = getattr(self.all_reduce_fn, "asynchronous", self.all_reduce_fn is start_native_all_reduce)
         threaded = not asynchronous if comm_thread is None else comm_thread
         self._thread = CommThread(f"DataParallel comm thread (rank {dist.get_rank()})") if threaded else None
         if self.world_size == 1:

@@ -10,7 +10,9 @@ exercise several failures in turn. Kinds:
 * ``stop``  -- SIGSTOP it there (a hung peer that does not even answer SIGTERM);
 * ``hang``  -- sleep there forever (a hung peer that still dies on SIGTERM: faster to tear down);
 * ``save``  -- SIGKILL it while checkpoint STEP is being written: after its own shard file is written
-  and before the checkpoint is complete, leaving a partial temporary directory behind.
+  and before the checkpoint is complete, leaving a partial temporary directory behind;
+* ``raise`` -- raise a RuntimeError there (an error that happens again on every retry, like a bug or a
+  NaN: listed for two attempts, it shows that the group stops restarting, :mod:`shardwise.train.recovery`).
 
 Example: ``--run.fault kill@3:r1,save@6:r0``. Not for production runs; the empty default does nothing.
 """
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 from shardwise.config import ConfigError
 
-KINDS = ("kill", "stop", "hang", "save")
+KINDS = ("kill", "stop", "hang", "save", "raise")
 _ITEM = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+):r(?P<rank>\d+)$")
 
 
@@ -76,6 +78,8 @@ class FaultPlan:
     def after_step(self, step: int) -> None:
         """Called once optimizer step ``step`` is done and logged (before its checkpoint)."""
         f = self.fault
+        if f is not None and f.kind == "raise" and f.step == step:
+            raise RuntimeError(f"injected error after step {step} on rank {f.rank}")
         if f is not None and f.kind in ("kill", "stop", "hang") and f.step == step:
             _fire(f.kind)
 

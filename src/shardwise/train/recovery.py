@@ -10,11 +10,18 @@ global rank 0
 * logs the restart in ``metrics.jsonl`` (``restart``: the attempt, ``steps_lost``: steps the failed
   attempt had finished past that checkpoint, ``cause``: the first error a worker recorded, see
   :mod:`shardwise.dist.diagnose`) and on the console.
+
+A failure that ended the last two attempts the same way -- the same rank, the same error text -- is not
+transient (a bug, bad data, a NaN): restarting again would only repeat it. Every worker of the next
+attempt sees that in ``failures.jsonl`` (:func:`repeated_failure`), writes ``gave_up.json`` and exits
+without training, and the launcher reports the failure (:mod:`shardwise.launch`). A SIGKILLed worker
+records nothing, so kills are always retried.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +32,14 @@ from shardwise.train.faults import restart_attempt
 from shardwise.train.metrics import read_metrics
 
 FAILURES_FILE = "failures.jsonl"
-"""One JSON line per worker failure that raised (attempt, rank, error); a SIGKILLed worker writes none."""
+"""One JSON line per worker failure that raised (launch, attempt, rank, error); a SIGKILLed worker writes none."""
+GAVE_UP_FILE = "gave_up.json"
+"""Written by the workers of an attempt that did not run because the failure before repeated itself."""
+
+
+def launch_id() -> str | None:
+    """The elastic agent's run id of this launch (``TORCHELASTIC_RUN_ID``); attempts restart at 0 per launch."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
 
 
 def resume_wanted(ckpt_resume: bool) -> bool:
@@ -59,7 +73,7 @@ def last_logged_step(run_dir: Path) -> int | None:
 
 def record_failure(run_dir: Path, rank: int, error: str) -> None:
     """Append this worker's failure to ``failures.jsonl`` (one short line; O_APPEND keeps lines whole)."""
-    line = json.dumps({"attempt": restart_attempt(), "rank": rank, "error": error}) + "\n"
+    line = json.dumps({"launch": launch_id(), "attempt": restart_attempt(), "rank": rank, "error": error}) + "\n"
     try:
         with open(Path(run_dir) / FAILURES_FILE, "a", encoding="utf-8") as f:
             f.write(line)
@@ -68,7 +82,7 @@ def record_failure(run_dir: Path, rank: int, error: str) -> None:
 
 
 def failures(run_dir: Path, attempt: int | None = None) -> list[dict]:
-    """The recorded failures (of one attempt, if given)."""
+    """The recorded failures (of one attempt, if given); inside a launch only that launch's."""
     path = Path(run_dir) / FAILURES_FILE
     if not path.is_file():
         return []
@@ -78,9 +92,32 @@ def failures(run_dir: Path, attempt: int | None = None) -> list[dict]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(rec, dict) and (attempt is None or rec.get("attempt") == attempt):
+        if not isinstance(rec, dict) or launch_id() not in (None, rec.get("launch")):
+            continue
+        if attempt is None or rec.get("attempt") == attempt:
             out.append(rec)
     return out
+
+
+def repeated_failure(run_dir: Path) -> str | None:
+    """The failure that ended both of the last two attempts (the first one each recorded: same rank, same
+    error), or None; on attempts 0 and 1 always None."""
+    attempt = restart_attempt()
+    if attempt < 2:
+        return None
+    last, before = failures(run_dir, attempt - 1), failures(run_dir, attempt - 2)
+    if not last or not before or (last[0]["rank"], last[0]["error"]) != (before[0]["rank"], before[0]["error"]):
+        return None
+    return (f"rank {last[0]['rank']} failed the same way in attempts {attempt - 2} and {attempt - 1}, so it is not "
+            f"transient and the group was not restarted again: {last[0]['error']}")
+
+
+def give_up(run_dir: Path, cause: str) -> None:
+    """Record that this attempt stopped before training because of ``cause`` (every worker writes the same)."""
+    path = Path(run_dir) / GAVE_UP_FILE
+    tmp = path.with_name(f".{GAVE_UP_FILE}.{os.getpid()}")
+    tmp.write_text(json.dumps({"launch": launch_id(), "cause": cause}), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def note_restart(log, run_dir: Path, start_step: int, max_restarts: int) -> dict | None:

@@ -3,7 +3,7 @@
 :class:`Pipeline` runs one training step (forward and backward of every micro-batch) by walking
 this rank's action list from :func:`~shardwise.parallel.pipeline.schedules.build_schedule`:
 the sends that follow a computation and the receives of the next computations are posted together in
-one batch (:class:`~shardwise.parallel.pipeline.p2p.P2P`; receives one computation ahead, see
+one batch (:class:`~shardwise.parallel.pipeline.transfer.P2P`; receives one computation ahead, see
 :func:`_plan`), a computation waits only for the receive it needs, and every forward/backward/send/receive/wait is
 recorded in a :class:`~shardwise.parallel.pipeline.timeline.Timeline`. The loss of micro-batch ``i`` is
 scaled by ``1/m`` before its backward, so the accumulated gradients equal those of the mean loss over
@@ -33,7 +33,6 @@ from torch import nn
 
 from shardwise.dist.comm.counting import CommStats
 from shardwise.model.moe import moe_aux_loss, moe_layers
-from shardwise.parallel.pipeline.p2p import P2P, message_tag
 from shardwise.parallel.pipeline.schedules import (
     COMM,
     RECV_B,
@@ -47,6 +46,7 @@ from shardwise.parallel.pipeline.schedules import (
     check_schedule,
 )
 from shardwise.parallel.pipeline.timeline import Event, Timeline
+from shardwise.parallel.pipeline.transfer import P2P, message_tag
 from shardwise.parallel.pipeline.zero_bubble import WeightGradStore, defer_linear_weight_grads
 
 

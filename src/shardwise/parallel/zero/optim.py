@@ -21,7 +21,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from shardwise.parallel.zero.engine import ZeroDataParallel
+from shardwise.parallel.zero.wrapper import ZeroDataParallel
 
 
 def _gather_flat(engine: ZeroDataParallel, unit, values: dict[int, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
