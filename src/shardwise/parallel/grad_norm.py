@@ -52,10 +52,11 @@ def clip_grad_norm(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]], max_norm
             parts[0].append(g[info.local_index()] if g.shape == p.shape else g)
     if device is None:
         device = pieces[0][0].device if pieces else torch.device("cpu")
-    sq = torch.zeros(3, dtype=torch.float32, device=device)
-    for i, part in enumerate(parts):
+    local = torch.zeros(3, dtype=torch.float32, device=device)
+    for i, part in enumerate(parts):  # each part's norm as torch.nn.utils.clip_grad_norm_ computes it
         if part:
-            sq[i] = torch.stack([n.float() for n in torch._foreach_norm(part)]).pow(2).sum().to(device)
+            local[i] = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(part)])).to(device)
+    sq = local.pow(2)  # squares add over ranks; with nothing to add, sqrt(fl(r * r)) = r: torch's norm, bit for bit
     if shard_group is not None and dist.get_world_size(shard_group) > 1:
         dist.all_reduce(sq, group=shard_group)
     if tp_group is not None:
