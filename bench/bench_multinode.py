@@ -123,23 +123,32 @@ def worker(args: argparse.Namespace) -> None:
     store = dist.TCPStore(ADDR[0], 29501, world, is_master=rank == 0, timeout=timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     sizes = parse_sizes(args.sizes)
-    model = calibrate(large=max(sizes), collectives=("all_reduce",))
+    model = calibrate(large=max(sizes), collectives=("all_reduce",), local_world_size=2)
     rows = []
     for size in sizes:
         fns = [run_collective("all_reduce", a, size, None, world) for a in ALGORITHMS]
-        auto, pick = _auto_closure("all_reduce", size, model, world)
+        auto, pick = _auto_closure("all_reduce", size, model, world, local_world_size=2)  # 2 ranks per node
         times = _measure([*fns, auto], args.reps, None)
         for name, t in zip([*ALGORITHMS, "auto"], times, strict=True):
             algbw = size / t / 1e9
-            rows.append({"size": size, "algorithm": name, "chosen": pick() if name == "auto" else name,
-                         "time_s": t, "busbw_GBps": algbw * BUS_FACTOR["all_reduce"](world)})
+            chosen = pick() if name == "auto" else name
+            rows.append({"size": size, "algorithm": name, "chosen": chosen, "time_s": t,
+                         "predicted_s": model.predict("all_reduce", chosen, size, node_size=2),
+                         "busbw_GBps": algbw * BUS_FACTOR["all_reduce"](world)})
     if rank == 0:
-        print(json.dumps(rows))
+        lv = model.levels
+        print(json.dumps({"rows": rows, "model": {
+            "alpha_intra_s": lv.alpha_intra, "beta_intra_s_per_byte": lv.beta_intra, "alpha_inter_s": lv.alpha_inter,
+            "beta_flow_s_per_byte": lv.beta_flow, "beta_node_s_per_byte": lv.beta_node,
+            "margin_at": {str(s): model.margin_at(s) for s in sizes},
+            "efficiency": list(model.efficiency), "overhead_s": model.overhead}}))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def all_reduce_table(sizes: str, reps: int) -> list[dict]:
+def all_reduce_table(sizes: str, reps: int) -> dict:
+    """``{"rows": [...], "model": {...}}``: per size and algorithm the measured and predicted seconds, and the
+    two-level constants the calibration measured (its own calibration at the largest size)."""
     procs = []
     for rank in range(4):
         node = rank // 2
@@ -219,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sh("up", args.rate)
         result["links"] = {"inter": probe(1, 0, ADDR[1]), "intra": probe(0, 0, "127.0.0.1")}
-        result["all_reduce"] = all_reduce_table(args.sizes, args.reps)
+        table = all_reduce_table(args.sizes, args.reps)
+        result["all_reduce"], result["cost_model"] = table["rows"], table["model"]
         with tempfile.TemporaryDirectory() as t:
             tmp = Path(t)
             one, _ = train(tmp, "one-node", 1, args.steps)

@@ -30,12 +30,16 @@ Reduce-scatter / all-gather: ring N-1 steps, (N-1)/N S; halving / doubling log2 
 N+k-2 steps of S/k (Thakur §3; Chan et al. 2007 §4). Gather / scatter / all-to-all (linear,
 pairwise): N-1 steps, (N-1)/N S; gather / scatter binomial tree: lg steps, (N-1)/N S (Chan §4.1).
 Barrier (dissemination): lg steps of no payload.
+
+A group spanning several nodes is a two-level network: there :class:`CostModel` times each all-reduce
+algorithm by its schedule on the measured intra- and inter-node links (:mod:`.twolevel`), and these
+one-level counts give its arithmetic and copies; the other collectives keep the one-level formulas on
+alpha and beta of a flat ring shift, which crosses the nodes and so measures the slower link.
 """
 
 from __future__ import annotations
 
 import math
-import socket
 import time
 from dataclasses import dataclass, field, replace
 
@@ -46,6 +50,7 @@ from ..devices import data_device, exchange_device, synchronize
 from .allreduce import ALL_REDUCE_ALGORITHMS, torus_shape
 from .collectives import ALGORITHMS
 from .p2p import DEFAULT_CHUNK_BYTES, exchange, largest_pow2, make_comm
+from .twolevel import Levels, calibrate_levels, group_nodes, regular_node_size
 
 
 @dataclass(frozen=True)
@@ -169,9 +174,13 @@ class CostModel:
     native: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Per collective, the backend's own measured ``(seconds, seconds per byte)`` line."""
     margin: float = 0.8
-    """:meth:`choose` takes one of ours over native only if predicted faster than ``margin`` x native;
-    :func:`calibrate` lowers it to ``1 / (1 + e)^2``, e the worst relative error of its own fits, so
-    that a choice is never made on a predicted gain smaller than the model's demonstrated error."""
+    """:meth:`choose` takes one of ours over native only if predicted faster than ``margin`` x native,
+    and no faster than ``1 / (1 + e)^2`` x native, e the model's demonstrated error near the size (see
+    :attr:`errors`), so that a choice is never made on a predicted gain smaller than that error."""
+    errors: tuple[tuple[int, float], ...] = ()
+    """``(size, e)`` per calibration size: the worst relative error of the fitted predictions (our ring,
+    the native collectives) there. The margin at S uses the calibration sizes bracketing S only: a
+    scheduler hiccup at 64 KiB says nothing about the model's error at 64 MiB."""
     efficiency: tuple[float, float] = (1.0, 1.0)
     """Measured / modelled time of our ring all-reduce, for the latency part and for the byte part:
     what the ideal formulas miss of our implementation (Python dispatch, copies); applied to all of ours."""
@@ -186,6 +195,33 @@ class CostModel:
     overhead: float = 0.0
     """Seconds per call of one of ours beyond its messages (argument checks, views, scratch buffers):
     the part of our ring all-reduce's fitted latency that its 2(N-1) alphas do not explain."""
+    levels: Levels | None = None
+    """The group spans several nodes: their measured link constants, on which the all-reduce
+    algorithms are timed by their schedules (:mod:`.twolevel`); None on one node."""
+
+    @property
+    def node_size(self) -> int | None:
+        """Ranks per node when the group is runs of equal nodes (what hierarchical / torus are shaped by)."""
+        return regular_node_size(self.levels.nodes) if self.levels else None
+
+    def _ideal(self, collective: str, algorithm: str, nbytes: float, node_size: int | None,
+               chunk_bytes: int) -> tuple[Cost, float, float]:
+        """The one-level counts, and the ideal latency and bandwidth + arithmetic seconds."""
+        c = cost(collective, algorithm, nbytes, self.world_size, node_size, chunk_bytes)
+        if self.levels is not None and collective == "all_reduce":
+            lat, bw = self.levels.time(algorithm, nbytes, node_size or self.node_size)
+            return c, lat, bw + c.reduced * self.gamma
+        moved = c.total / self.world_size if self.shared_host and c.total else c.bytes
+        return c, c.steps * self.alpha, moved * self.beta + c.reduced * self.gamma
+
+    def margin_at(self, nbytes: float) -> float:
+        """The margin for a choice at ``nbytes``: :attr:`margin`, lowered by the errors at the calibration
+        sizes on either side of it (the nearest one beyond the measured range)."""
+        if not self.errors:
+            return self.margin
+        below = [e for size, e in self.errors if size <= nbytes][-1:]
+        above = [e for size, e in self.errors if size >= nbytes][:1]
+        return min(self.margin, 1.0 / (1.0 + max(below + above)) ** 2)
 
     def predict(self, collective: str, algorithm: str, nbytes: float, node_size: int | None = None,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> float:
@@ -193,19 +229,19 @@ class CostModel:
         if algorithm == "native" and collective in self.native:
             a, b = self.native[collective]
             return a + b * nbytes
-        c = cost(collective, algorithm, nbytes, self.world_size, node_size, chunk_bytes)
+        c, lat, bw = self._ideal(collective, algorithm, nbytes, node_size, chunk_bytes)
         k_lat, k_bytes = self.efficiency if algorithm != "native" else (1.0, 1.0)
         fixed = self.overhead if algorithm != "native" else 0.0
-        moved = c.total / self.world_size if self.shared_host and c.total else c.bytes
-        return (fixed + k_lat * c.steps * self.alpha + k_bytes * (moved * self.beta + c.reduced * self.gamma)
-                + c.copied * self.delta)
+        return fixed + k_lat * lat + k_bytes * bw + c.copied * self.delta
 
     def choose(self, collective: str, nbytes: float, candidates: tuple[str, ...] | None = None,
                node_size: int | None = None) -> str:
         """The candidate with the lowest predicted time; native wins unless beaten by ``margin``."""
         names = candidates or (ALL_REDUCE_ALGORITHMS if collective == "all_reduce" else ALGORITHMS[collective])
         best = "native" if "native" in names else names[0]
-        best_t = self.predict(collective, best, nbytes, node_size) * (self.margin if best == "native" else 1.0)
+        node_size = node_size or self.node_size
+        best_t = self.predict(collective, best, nbytes, node_size) * (self.margin_at(nbytes) if best == "native"
+                                                                       else 1.0)
         for name in names:
             t = self.predict(collective, name, nbytes, node_size)
             if t < best_t:
@@ -214,12 +250,13 @@ class CostModel:
 
 
 def choose(collective: str, nbytes: float, group: dist.ProcessGroup | None = None, model: CostModel | None = None,
-           candidates: tuple[str, ...] | None = None, node_size: int | None = None) -> str:
+           candidates: tuple[str, ...] | None = None, node_size: int | None = None,
+           local_world_size: int | None = None) -> str:
     """The algorithm with the lowest predicted time for ``nbytes`` on ``group``.
 
     Without ``model`` the group is calibrated first (a collective call: every rank must call).
     """
-    model = model or calibrate(group)
+    model = model or calibrate(group, local_world_size=local_world_size)
     return model.choose(collective, nbytes, candidates, node_size)
 
 
@@ -274,13 +311,32 @@ def fit_line(xs: list[float], ts: list[float]) -> tuple[float, float]:
     return a, b
 
 
+def fit_regimes(xs: list[float], ts: list[float], split: float = 64 << 10) -> tuple[float, float]:
+    """``(a, b)`` of ``t = a + b x`` read from the two regimes, as Hockney 1994 (§3) reads a link's
+    start-up time and asymptotic bandwidth: ``a`` from the sizes below ``split`` (the relative line
+    through them, :func:`fit_line`), then ``b`` by ordinary least squares over the sizes from ``split``
+    up, ``a`` held (so the largest transfers, where the asymptote shows, weigh most). For links that are
+    not one line over all sizes: a network's small messages ride on token-bucket bursts, interrupt
+    coalescing or an eager protocol, which a single relative line through all sizes turns into too
+    small a per-byte time at the sizes where the bandwidth matters."""
+    small = [(x, t) for x, t in zip(xs, ts, strict=True) if x < split]
+    large = [(x, t) for x, t in zip(xs, ts, strict=True) if x >= split]
+    if not small or not large:
+        return fit_line(xs, ts)
+    a = fit_line([x for x, _ in small], [t for _, t in small])[0] if len(small) > 1 else small[0][1]
+    num = sum(x * (t - a) for x, t in large)
+    den = sum(x * x for x, _ in large)
+    return a, max(num / den, 0.0)
+
+
 def relative_errors(predicted: list[float], measured: list[float]) -> list[float]:
     """``predicted / measured - 1`` per point (what ``shardwise bench comm`` reports as the prediction error)."""
     return [p / max(m, 1e-12) - 1 for p, m in zip(predicted, measured, strict=True)]
 
 
 def calibrate(group: dist.ProcessGroup | None = None, small: int = 8, large: int = 4 << 20, reps: int = 5,
-              collectives: tuple[str, ...] = ("all_reduce",), device: torch.device | None = None) -> CostModel:
+              collectives: tuple[str, ...] = ("all_reduce",), device: torch.device | None = None,
+              local_world_size: int | None = None) -> CostModel:
     """Measure alpha, beta and gamma on ``group`` (collective: every rank calls it).
 
     Every quantity is measured at several sizes (:func:`calibration_sizes`, ``small`` .. ``large``)
@@ -292,13 +348,18 @@ def calibrate(group: dist.ProcessGroup | None = None, small: int = 8, large: int
     against the model's ``2(N-1) alpha`` and ``bytes beta + reduced gamma``: a latency beyond the
     alphas is a per-call ``overhead``, and the ratios are the model's ``efficiency`` (what the ideal
     formulas miss of our implementation, applied to every algorithm of ours). The native
-    collectives get a fitted latency + per-byte line each. ``margin`` is set from the worst
-    relative error of these fits. Best of ``reps`` runs per point, then the maximum over ranks (so
+    collectives get a fitted latency + per-byte line each. ``errors`` records the relative error of
+    these fits at every size (the margin of a choice near that size). Best of ``reps`` runs per point,
+    then the maximum over ranks (so
     every rank holds the same model and makes the same choices). The fit is linear, so sizes beyond
     ``large`` are extrapolated: pass the largest size you care about as ``large``
     (``shardwise bench comm`` does). The buffers live on ``device`` (default: where the group's
     data lives, :func:`~shardwise.dist.devices.data_device` -- the GPU under nccl), so the model
     describes the transfers it will choose for.
+
+    When the group spans nodes (:func:`.twolevel.group_nodes`: from ``local_world_size``, the
+    launcher's ranks per node, else from the host names) each level's links are measured too
+    (:func:`.twolevel.calibrate_levels`) and the all-reduce algorithms are timed on both levels.
     """
     from .allreduce import all_reduce
 
@@ -327,33 +388,39 @@ def calibrate(group: dist.ProcessGroup | None = None, small: int = 8, large: int
     alpha, beta = fit_line([float(b) for b in sizes], shift)
     _, gamma = fit_line([float(b) for b in sizes], add)
     model = CostModel(max(alpha, 1e-9), max(beta, 1e-15), max(gamma, 1e-15), n)
-    hosts: list = [None] * n
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    model.shared_host = len(set(hosts)) == 1
+    nodes = group_nodes(group, local_world_size)
+    model.shared_host = len(set(nodes)) == 1
     model.delta = fit_line([float(b) for b in sizes], copy)[1]
-    ideal = [cost("all_reduce", "ring", b, n) for b in sizes]
-    lat = ideal[0].steps * model.alpha
-    per_byte = (ideal[-1].bytes * model.beta + ideal[-1].reduced * model.gamma) / sizes[-1]
     xs = [float(b) for b in sizes]
-    a, slope = fit_line(xs, ring)
+    if not model.shared_host:
+        model.levels = calibrate_levels(group, nodes, sizes, reps, device, model.gamma, _time, fit_regimes,
+                                        lambda v: _agree(group, v))
+        lat = model._ideal("all_reduce", "ring", sizes[0], None, DEFAULT_CHUNK_BYTES)[1]
+        per_byte = model._ideal("all_reduce", "ring", sizes[-1], None, DEFAULT_CHUNK_BYTES)[2] / sizes[-1]
+    else:
+        ideal = [cost("all_reduce", "ring", b, n) for b in sizes]
+        lat = ideal[0].steps * model.alpha
+        per_byte = (ideal[-1].bytes * model.beta + ideal[-1].reduced * model.gamma) / sizes[-1]
+    fit = fit_line if model.shared_host else fit_regimes  # across nodes: the network's two regimes
+    a, slope = fit(xs, ring)
     if a >= lat:  # slower than its alphas: a per-call overhead on top of them
         model.efficiency, model.overhead = (1.0, max(slope / per_byte, 0.1)), a - lat
     else:  # faster (steps overlap): a latency efficiency below one
         model.efficiency = (max(a / lat, 0.1), max(slope / per_byte, 0.1))
-    worst = _worst_error(model, "all_reduce", "ring", sizes, ring)
+    worst = _errors(model, "all_reduce", "ring", sizes, ring)
     for i, coll in enumerate(collectives):
         times = values[(3 + i) * k:(4 + i) * k]
-        model.native[coll] = fit_line(xs, times)
-        worst = max(worst, _worst_error(model, coll, "native", sizes, times))
-    # switch from native only when the predicted gain beats what the fits got wrong on this group
-    model.margin = min(model.margin, 1.0 / (1.0 + worst) ** 2)
+        model.native[coll] = fit(xs, times)
+        worst = [max(a, b) for a, b in zip(worst, _errors(model, coll, "native", sizes, times), strict=True)]
+    # switch from native only when the predicted gain beats what the fits got wrong on this group near that size
+    model.errors = tuple(zip(sizes, worst, strict=True))
     return model
 
 
-def _worst_error(model: CostModel, collective: str, algorithm: str, sizes: list[int], times: list[float]) -> float:
-    """The largest relative error of ``model``'s predictions at the measured calibration points."""
+def _errors(model: CostModel, collective: str, algorithm: str, sizes: list[int], times: list[float]) -> list[float]:
+    """The relative errors (absolute values) of ``model``'s predictions at the measured calibration points."""
     pred = [model.predict(collective, algorithm, b) for b in sizes]
-    return max(abs(e) for e in relative_errors(pred, times))
+    return [abs(e) for e in relative_errors(pred, times)]
 
 
 def run_collective_native(collective: str, nbytes: int, group, n: int, device: torch.device | None = None):
