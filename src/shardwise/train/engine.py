@@ -224,6 +224,10 @@ class Engine:
     def train_mode(self, on: bool) -> None:
         self.module.train(on)
 
+    def comm_choices(self) -> dict[int, str]:
+        """With comm.algorithm "auto": the all-reduce algorithm the cost model chose per bucket size (bytes)."""
+        return dict(getattr(getattr(self.wrapper, "all_reduce_fn", None), "choices", {}))
+
     def comm_metrics(self) -> dict[str, float]:
         """This step's communication as the counting layer recorded it (:meth:`CommLedger.pop_metrics`)."""
         return self.ledger.pop_metrics()
