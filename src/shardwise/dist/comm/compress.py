@@ -116,7 +116,9 @@ class GradientAllReduce:
                                           local_world_size=self.local_world_size)
         model = self._models[key]
         node_size = self.node_size or model.node_size
-        return self.choices.setdefault(size, model.choose("all_reduce", size, node_size=node_size)), node_size
+        if size not in self.choices:  # once per bucket size: timing every algorithm's schedule costs ~1 ms
+            self.choices[size] = model.choose("all_reduce", size, node_size=node_size)
+        return self.choices[size], node_size
 
     def _first(self, *key) -> bool:
         """True the first time ``key`` is seen: check the ranks' tensors agree on the first call per
