@@ -148,6 +148,61 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def latency_worker(args: argparse.Namespace) -> None:
+    """One rank of the call-latency measurement: compute bursts of ``args.latency`` seconds (single-threaded
+    matmuls, all four ranks at once) with and without a small all-reduce after each; the difference per
+    burst is what one synchronisation costs ranks that compute between collectives."""
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, world = args.rank, 4
+    store = dist.TCPStore(ADDR[0], 29501, world, is_master=rank == 0, timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    x, flag = torch.randn(128, 128), torch.zeros(2)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(100):
+        torch.mm(x, x)
+    k = max(1, round(args.latency / ((time.perf_counter() - t0) / 100)))  # matmuls per burst, all ranks busy
+    k = int(max(_agree_max([k])))
+
+    def loop(sync: bool) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(args.reps * 10):
+            for _ in range(k):
+                torch.mm(x, x)
+            if sync:
+                dist.all_reduce(flag)
+        return (time.perf_counter() - t) / (args.reps * 10)
+
+    samples = [loop(True) - loop(False) for _ in range(3)]
+    out = _agree_max([statistics.median(samples)])[0]
+    if rank == 0:
+        print(json.dumps({"call_latency_s": out, "burst_s": args.latency}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _agree_max(values: list[float]) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def call_latency(burst_s: float, reps: int) -> float:
+    procs = [in_ns(rank // 2, [sys.executable, __file__, "--latency", str(burst_s), "--worker", str(rank), "--reps",
+                               str(reps)], env={"GLOO_SOCKET_IFNAME": f"swv{rank // 2}"}) for rank in range(4)]
+    return json.loads(finish(procs)[0])["call_latency_s"]
+
+
 def all_reduce_table(sizes: str, reps: int) -> dict:
     """``{"rows": [...], "model": {...}}``: per size and algorithm the measured and predicted seconds, and the
     two-level constants the calibration measured (its own calibration at the largest size)."""
@@ -210,7 +265,7 @@ def achieved_flops_per_rank(run_dir: Path, runs: list[list[dict]]) -> float:
     return statistics.median(statistics.median(r["tokens_per_s"] for r in recs[2:]) for recs in runs) * fpt
 
 
-def plan_step_time(tmp: Path, model: dict, flops_per_rank: float, overlap: float) -> dict:
+def plan_step_time(tmp: Path, model: dict, flops_per_rank: float, overlap: float, latency: float = 0.0) -> dict:
     """The planner's step time for the two-node ZeRO-3 layout, fed with the links the cost model's calibration
     measured on the running 2 x 2 group (gloo's per-message latency and each level's bandwidth: one flow, and
     the node's link shared by its ranks) and the measured compute rate; its compute and communication parts."""
@@ -227,12 +282,13 @@ def plan_step_time(tmp: Path, model: dict, flops_per_rank: float, overlap: float
     cfg = tmp / "hpz1" / "config.toml"
     cmd = [sys.executable, "-m", "shardwise.cli", "plan", str(cfg), "--nodes", "2", "--gpus-per-node", "2",
            "--gpu", "netns-cpu", "--hardware", str(hw), "--efficiency", "1", "--backend", "gloo",
-           "--overlap", str(overlap), "--json"]
+           "--overlap", str(overlap), "--call-latency-us", str(latency * 1e6), "--json"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout)["layouts"][0]
     t = out["time"]
     return {"step_time_s": t["step_time_s"], "compute_s": t["compute_s"], "comm_exposed_s": t["comm_exposed_s"],
-            "comm_s": sum(c["time_s"] for c in out["comm"])}
+            "comm_s": sum(c["time_s"] for c in out["comm"]), "sync_s": t["sync_s"],
+            "collectives_per_step": t["collectives_per_step"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,10 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--latency", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker is not None:
         args.rank = args.worker
-        worker(args)
+        latency_worker(args) if args.latency else worker(args)
         return 0
     if os.geteuid() != 0:
         print("error: bench_multinode makes network namespaces, which needs root", file=sys.stderr)
@@ -268,17 +325,21 @@ def main(argv: list[str] | None = None) -> int:
             achieved = achieved_flops_per_rank(tmp / "hpz1", solo)
             # comm hides behind compute only if a core is free to drive it: here 4 ranks share the machine's cores
             overlap = 1.0 if (os.cpu_count() or 1) > 4 else 0.0
-            plan = plan_step_time(tmp, result["cost_model"], achieved, overlap)
-            measured = result["zero3_inter_node_bytes_per_step"]["hpz1"]["step_time_s"]
             compute = statistics.median(med(recs, "step_time_s") for recs in solo)
+            # one synchronisation's cost, measured between compute bursts as long as the step's compute between calls
+            calls = plan_step_time(tmp, result["cost_model"], achieved, overlap)["collectives_per_step"]
+            latency = call_latency(compute / calls, args.reps)
+            plan = plan_step_time(tmp, result["cost_model"], achieved, overlap, latency)
+            measured = result["zero3_inter_node_bytes_per_step"]["hpz1"]["step_time_s"]
             result["planner"] = {
                 "flops_per_rank_all_ranks_busy": achieved, "overlap": overlap, "predicted_step_time_s":
                 plan["step_time_s"], "measured_step_time_s": measured, "error": plan["step_time_s"] / measured - 1,
                 "predicted_compute_s": plan["compute_s"], "measured_compute_alone_s": compute,
                 "predicted_comm_s": plan["comm_s"], "predicted_comm_exposed_s": plan["comm_exposed_s"],
+                "call_latency_s": latency, "collectives_per_step": calls, "predicted_sync_s": plan["sync_s"],
                 "measured_step_minus_compute_s": measured - compute,
-                "predicted_step_time_if_hidden_s": plan_step_time(tmp, result["cost_model"], achieved,
-                                                                  1.0)["step_time_s"]}
+                "predicted_step_time_if_hidden_s": plan_step_time(tmp, result["cost_model"], achieved, 1.0,
+                                                                  latency)["step_time_s"]}
     finally:
         sh("down")
     print(report(result))
@@ -306,10 +367,12 @@ def report(r: dict) -> str:
     if "planner" in r:
         pl = r["planner"]
         lines.append(f"planner: predicted {pl['predicted_step_time_s']:.3f} s/step, measured "
-                     f"{pl['measured_step_time_s']:.3f} s ({pl['error']:+.0%}); compute {pl['predicted_compute_s']:.3f}"
-                     f" s predicted / {pl['measured_compute_alone_s']:.3f} s measured alone, communication "
-                     f"{pl['predicted_comm_s']:.3f} s predicted / {pl['measured_step_minus_compute_s']:.3f} s measured "
-                     f"(step - compute); {pl['predicted_step_time_if_hidden_s']:.3f} s if communication hid")
+                     f"{pl['measured_step_time_s']:.3f} s ({pl['error']:+.0%})")
+        lines.append(f"  compute {pl['predicted_compute_s']:.3f} s predicted / {pl['measured_compute_alone_s']:.3f} s "
+                     f"measured alone; communication {pl['predicted_comm_s']:.3f} s + sync {pl['predicted_sync_s']:.3f}"
+                     f" s ({pl['collectives_per_step']} calls x {pl['call_latency_s'] * 1e3:.2f} ms) predicted / "
+                     f"{pl['measured_step_minus_compute_s']:.3f} s measured (step - compute)")
+        lines.append(f"  {pl['predicted_step_time_if_hidden_s']:.3f} s/step predicted if communication hid")
     return "\n".join(lines)
 
 

@@ -81,10 +81,11 @@ def test_node_layouts():
 
 def test_margin_is_the_error_near_the_size():
     m = two_nodes()
-    m.errors = ((8, 1.0), (1 << 20, 0.02), (64 << 20, 0.05))
-    assert m.margin_at(4 << 20) == pytest.approx(1 / 1.05 ** 2 if 1 / 1.05 ** 2 < m.margin else m.margin)
-    assert m.margin_at(1 << 10) == pytest.approx(1 / 4)  # between 8 B (100 % off) and 1 MiB
-    assert m.margin_at(1 << 30) == pytest.approx(min(m.margin, 1 / 1.05 ** 2))
+    m.errors = ((8, 1.0), (1 << 20, 0.02), (64 << 20, 0.25))
+    assert m.margin_at(1 << 20) == m.margin == 0.9  # a 2 % error: the 10 % floor of a worthwhile gain decides
+    assert m.margin_at(4 << 20) == pytest.approx(1 / 1.25)  # between 1 MiB and 64 MiB: the worse of the two
+    assert m.margin_at(1 << 10) == pytest.approx(1 / 2)  # between 8 B (100 % off) and 1 MiB
+    assert m.margin_at(1 << 30) == pytest.approx(1 / 1.25)  # beyond the calibration: its largest size
 
 
 def test_fit_regimes_reads_latency_small_and_bandwidth_large():

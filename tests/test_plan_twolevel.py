@@ -63,3 +63,24 @@ def test_hardware_file_gives_the_node_link(tmp_path):
     gpu = load_catalogue(f)["box"]
     assert gpu.node_bw == pytest.approx(1 / 8 * 1e9) == pytest.approx(gpu.inter_bw)
     assert Cluster(gpu, gpus_per_node=2).node_bw == gpu.node_bw
+
+
+def test_each_collective_call_costs_the_measured_call_latency():
+    """ZeRO-3 on 4 ranks: one gather per unit and pass, one reduce-scatter per unit, the flags, the loss and
+    the norm: each call costs ``call_latency`` on top (0 by default: accelerators unchanged)."""
+    from shardwise.plan.memory import StateDtypes
+    from shardwise.plan.perf import step_time
+    from shardwise.plan.spec import Layout, ModelSpec
+    from shardwise.plan.zero_layout import ZeroUnits
+
+    m = ModelSpec("gpt2", n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, d_ff=256, vocab_size=1000,
+                  max_seq_len=64, tie_embeddings=True)
+    lay = Layout(dp=4, zero=3, micro_batch=4)
+    units = ZeroUnits(stage=3, world=4, numels=(70000, 50000, 50000), root_units=1, n_tensors=20)
+    base = Cluster(cpu_link(), gpus_per_node=2, nodes=2, backend="gloo")
+    states = StateDtypes()
+    quiet = step_time(m, lay, 64, base, states, "fp32", units=units)
+    loud = step_time(m, lay, 64, dataclasses.replace(base, call_latency=2e-3), states, "fp32", units=units)
+    calls = 1 + 2 * 2 + 3 + 1 + 2  # root gather, 2 blocks x (fwd, bwd), 3 reduce-scatters, flags, loss, norm
+    assert quiet.sync_s == 0 and loud.collectives_per_step == calls
+    assert loud.step_time_s - quiet.step_time_s == pytest.approx(calls * 2e-3)

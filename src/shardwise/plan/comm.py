@@ -65,6 +65,12 @@ class CommItem:
     """Time of all ``calls``."""
     overlap: str
     """What it can hide behind: "backward", "compute", "attention" or "none"."""
+    collectives: int = 0
+    """Collective calls the trainer issues for it (ZeRO: one per unit and pass); 0: ``calls``."""
+
+    @property
+    def n_collectives(self) -> int:
+        return self.collectives or self.calls
 
     @property
     def total_payload(self) -> float:
@@ -173,10 +179,10 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
 
     zero_algorithm = "pairwise" if cluster.backend == "gloo" else "ring"  # ZeRO's exchanges on gloo
 
-    def add(tech, coll, p, n, calls, stride, overlap, algorithm="ring"):
+    def add(tech, coll, p, n, calls, stride, overlap, algorithm="ring", collectives=0):
         if p > 1 and n > 0 and calls > 0:
             seconds = calls * collective_time(coll, p, n, stride, cluster, algorithm)
-            items.append(CommItem(tech, coll, p, n, calls, seconds, overlap))
+            items.append(CommItem(tech, coll, p, n, calls, seconds, overlap, collectives))
 
     dense, expert = params_per_rank(m, lay)
     b = states.bytes()
@@ -200,12 +206,13 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
             add(f"ZeRO-{lay.zero} weights", "all-gather", group, psi * b["params"], 1, stride, "none", zero_algorithm)
         elif units is not None and kind == "dense":
             root = sum(units.padded_numels[:units.root_units])
+            n_units, blocks = len(units.numels), len(units.numels) - units.root_units  # one collective per unit
             add("ZeRO-3 root weights (fwd)", "all-gather", group, root * b["params"], mb, stride, "compute",
-                zero_algorithm)
+                zero_algorithm, mb * units.root_units)
             add("ZeRO-3 block weights (fwd+bwd)", "all-gather", group, (units.psi_padded - root) * b["params"],
-                2 * mb, stride, "compute", zero_algorithm)
+                2 * mb, stride, "compute", zero_algorithm, 2 * mb * blocks)
             add("ZeRO-3 grads", "reduce-scatter", group, units.psi_padded * b["grads"], 1, stride, "backward",
-                zero_algorithm)
+                zero_algorithm, n_units)
         else:
             add("ZeRO-3 weights (fwd+bwd)", "all-gather", group, psi * b["params"], 2 * mb, stride, "compute",
                 zero_algorithm)

@@ -179,6 +179,11 @@ class Cluster:
     """Fraction of peak FLOP/s that the matmuls of training reach (the model's compute efficiency)."""
     overlap: float = 1.0
     """Fraction of the backward pass that data-parallel / ZeRO communication can hide behind."""
+    call_latency: float = 0.0
+    """Seconds every collective call costs beyond its messages when the ranks compute between calls:
+    a rank that arrives first waits for the last (on CPU ranks sharing cores, also for a core). Not
+    hidden. 0 (the default) for accelerators, whose collectives are queued behind the kernels; measured
+    for a CPU cluster by ``bench/bench_multinode.py`` (a small all-reduce between compute bursts)."""
     backend: str = "nccl"
     """The process-group backend the trainer runs: with "gloo" (CPU) ZeRO's reduce-scatters and
     all-gathers are pairwise exchanges posted at once (shardwise.parallel.zero.exchange), not rings."""
