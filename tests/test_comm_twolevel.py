@@ -81,6 +81,7 @@ def test_node_layouts():
 
 def test_margin_is_the_error_near_the_size():
     m = two_nodes()
+    m.margin = 0.9  # as calibrate sets it across nodes
     m.errors = ((8, 1.0), (1 << 20, 0.02), (64 << 20, 0.25))
     assert m.margin_at(1 << 20) == m.margin == 0.9  # a 2 % error: the 10 % floor of a worthwhile gain decides
     assert m.margin_at(4 << 20) == pytest.approx(1 / 1.25)  # between 1 MiB and 64 MiB: the worse of the two

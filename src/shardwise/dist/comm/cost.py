@@ -173,17 +173,20 @@ class CostModel:
     world_size: int
     native: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Per collective, the backend's own measured ``(seconds, seconds per byte)`` line."""
-    margin: float = 0.9
-    """:meth:`choose` takes one of ours over native only if predicted faster than ``margin`` x native
-    (a gain under 10 % is not worth leaving the backend's own for), and than ``1 / (1 + e)`` x native,
-    e the model's demonstrated error near the size in comparing one of ours with native (see
-    :attr:`errors`), so that a choice is never made on a predicted gain smaller than that error."""
+    margin: float = 0.8
+    """:meth:`choose` takes one of ours over native only if predicted faster than ``margin`` x native,
+    and than ``1 / (1 + e)`` x native, e the model's demonstrated error near the size in comparing one
+    of ours with native (see :attr:`errors`), so that a choice is never made on a predicted gain smaller
+    than that error. :func:`calibrate` sets it to 0.9 on a group spanning nodes (a gain under 10 % is not
+    worth leaving the backend's own for) and keeps 0.8 on one node (the one-level rule, unchanged)."""
     errors: tuple[tuple[int, float], ...] = ()
-    """``(size, e)`` per calibration size: how wrong the model was there in comparing ours with native
-    -- for all-reduce the relative error of the predicted ratio ring / native against the measured one
-    (a link effect both share, such as a token-bucket burst, cancels in it); for the other collectives
-    the two fits' errors compounded, ``(1 + e_ring)(1 + e_native) - 1``. The margin at S uses the
-    calibration sizes bracketing S only: a scheduler hiccup at 64 KiB says nothing about 64 MiB."""
+    """``(size, e)`` per calibration size. Across nodes, how wrong the model was there in comparing ours
+    with native -- for all-reduce the relative error of the predicted ratio ring / native against the
+    measured one (a link effect both share, such as a token-bucket burst, cancels in it), for the other
+    collectives the two fits' errors compounded, ``(1 + e_ring)(1 + e_native) - 1`` -- and the margin
+    at S uses the calibration sizes bracketing S only (a scheduler hiccup at 64 KiB says nothing about
+    64 MiB). On one node (the one-level rule): ``(1 + w)^2 - 1`` at every size, w the worst error of
+    the fits at any size."""
     efficiency: tuple[float, float] = (1.0, 1.0)
     """Measured / modelled time of our ring all-reduce, for the latency part and for the byte part:
     what the ideal formulas miss of our implementation (Python dispatch, copies); applied to all of ours."""
@@ -425,7 +428,21 @@ def calibrate(group: dist.ProcessGroup | None = None, small: int = 8, large: int
         worst = [max(a, b) for a, b in zip(worst, errs, strict=True)]
     # switch from native only when the predicted gain beats what the fits got wrong on this group near that size
     model.errors = tuple(zip(sizes, worst, strict=True))
+    if model.levels is None:  # one node: the one-level rule, the fits' worst error at any size
+        w = max(abs(e) for times, pred in _fits(model, collectives, values, k, sizes, ring, ring_pred)
+                for e in relative_errors(pred, times))
+        model.errors = tuple((b, (1 + w) ** 2 - 1) for b in sizes)
+    else:
+        model.margin = 0.9
     return model
+
+
+def _fits(model: CostModel, collectives: tuple[str, ...], values: list[float], k: int, sizes: list[int],
+          ring: list[float], ring_pred: list[float]):
+    """``(measured, predicted)`` of our ring all-reduce and of each native collective at the calibration sizes."""
+    yield ring, ring_pred
+    for i, coll in enumerate(collectives):
+        yield values[(3 + i) * k:(4 + i) * k], [model.predict(coll, "native", b) for b in sizes]
 
 
 def run_collective_native(collective: str, nbytes: int, group, n: int, device: torch.device | None = None):
