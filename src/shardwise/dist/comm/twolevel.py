@@ -21,8 +21,8 @@ its two levels:
   -- one flow is limited by what one rank can drive (``beta_flow``), many by the node's link
   (``beta_node``). Bytes a node receives count like bytes it sends (full duplex, per direction).
 
-The constants are measured on the running group by :func:`calibrate_levels` (a ring shift inside the
-nodes; one flow between nodes; every rank's flow between nodes at once), not assumed. Nodes are
+The constants are measured on the running group by :func:`calibrate_levels` (ring all-reduces inside
+the nodes, across them with one rank per node, and across them with every rank at once), not assumed. Nodes are
 found from the launcher's ranks per node (``LOCAL_WORLD_SIZE``: torchrun numbers the ranks of a node
 consecutively) or, without it, from the host names, and handed in -- never read from a global.
 """
