@@ -295,7 +295,8 @@ class CommConfig:
     """With compression = "topk": fraction of gradient entries sent each step, in (0, 1]."""
     node_size: int = 0
     """With algorithm "hierarchical", "torus" or "auto": ranks per node for "hierarchical" (0: 2) and
-    row length for "torus" (0: most square grid)."""
+    row length for "torus" (0: most square grid); with "auto", 0 takes the node size of the group, from
+    the launcher's ranks per node (parallel.nproc), for the two-level cost model and what it picks."""
     timeout_s: float = 0.0
     """With an algorithm other than "native": seconds our collectives wait for a peer before failing
     with an error naming the collective (0: the process group's parallel.timeout_s, which alone bounds

@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", help="TOML file adding/overriding [gpu.NAME] entries")
     p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached (default 0.5)")
     p.add_argument("--overlap", type=float, default=1.0, help="fraction of compute comm can hide behind")
+    p.add_argument("--call-latency-us", type=float, default=0.0,
+                   help="measured cost of one collective call between compute bursts, added per call (default 0)")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                   help="the trainer's backend: gloo runs ZeRO's collectives as pairwise exchanges (default nccl)")
     p.add_argument("--memory-fraction", type=float, default=0.9, help="usable fraction of GPU memory")
     p.add_argument("--states", default="shardwise",
                    help=f"model-state dtypes: {', '.join(STATE_CONVENTIONS)} or weights=..,grads=..,master=..,"
@@ -167,7 +171,9 @@ def _run(args, overrides: dict[str, str]) -> int:
         raise ConfigError("--gpus-per-node and --nodes must be positive")
     if not 0 < args.efficiency <= 1 or not 0 <= args.overlap <= 1 or not 0 < args.memory_fraction <= 1:
         raise ConfigError("--efficiency and --memory-fraction must be in (0, 1], --overlap in [0, 1]")
-    cluster = Cluster(gpu, gpn, nodes, args.efficiency, args.overlap)
+    if args.call_latency_us < 0:
+        raise ConfigError(f"--call-latency-us={args.call_latency_us} must be >= 0")
+    cluster = Cluster(gpu, gpn, nodes, args.efficiency, args.overlap, args.call_latency_us * 1e-6, args.backend)
     states = parse_state_dtypes(args.states)
     precision = cfg.train.precision
     result = search(m, s, cluster, fixed, global_batch, states, precision, args.attention, args.memory_fraction,

@@ -13,7 +13,9 @@ On a two-level network a group that spans nodes also gets the hierarchical algor
 (reduce-scatter inside the node, all-reduce of n/g across nodes, all-gather inside the node;
 e.g. Jia et al. 2018, "Highly Scalable Deep Learning Training System with Mixed-Precision", §4.2),
 built here from the same per-algorithm costs with intra- and inter-node α, β, and the cheaper of
-flat ring and hierarchical is used.
+flat ring and hierarchical is used. Flows that cross at once share the node's link (max-rate model,
+Gropp, Olson & Samfass 2016). On gloo (``Cluster.backend``) ZeRO's collectives are the trainer's
+pairwise exchanges (all blocks posted at once), timed as such.
 
 Volumes per technique (per rank and step, ``payload`` = bytes handed to the collective, the
 trainer's ``comm_bytes``): data parallel all-reduces the gradients once per step; ZeRO-1/2
@@ -63,6 +65,12 @@ class CommItem:
     """Time of all ``calls``."""
     overlap: str
     """What it can hide behind: "backward", "compute", "attention" or "none"."""
+    collectives: int = 0
+    """Collective calls the trainer issues for it (ZeRO: one per unit and pass); 0: ``calls``."""
+
+    @property
+    def n_collectives(self) -> int:
+        return self.collectives or self.calls
 
     @property
     def total_payload(self) -> float:
@@ -100,30 +108,43 @@ def _flat(collective: str, p: int, n: float, alpha: float, beta: float) -> float
     return c.steps * alpha + c.bytes / beta
 
 
-def collective_time(collective: str, p: int, n: float, stride: int, cluster: Cluster) -> float:
-    """Alpha-beta time of one collective over a group of ``p`` ranks spaced ``stride`` apart."""
+def collective_time(collective: str, p: int, n: float, stride: int, cluster: Cluster,
+                    algorithm: str = "ring") -> float:
+    """Alpha-beta time of one collective over a group of ``p`` ranks spaced ``stride`` apart.
+
+    Between nodes, k flows of one node at once each get ``min(inter_bw, node_bw / k)`` (the max-rate
+    model of Gropp, Olson & Samfass 2016, §3): a flat ring sends one flow per node across, the
+    inter-node phase of the hierarchical form one per rank of the node. ``algorithm="pairwise"``: every
+    rank sends its 1/p block to every other at once (ZeRO's exchanges on gloo, Thakur et al. 2005 §4):
+    the slower of the blocks within the node and those crossing, limited by the node's link."""
     if p <= 1 or n <= 0:
         return 0.0
     g = cluster.gpu
     gpn = cluster.gpus_per_node
     local = 1 if stride >= gpn else max(1, min(p, gpn // stride))
     nodes = -(-p // local)
+    one_flow = min(g.inter_bw, cluster.node_bw)
+    every_flow = min(g.inter_bw, cluster.node_bw / local)
+    if algorithm == "pairwise":
+        inside = (local - 1) * (g.intra_latency + n / p / g.intra_bw)
+        across = (p - local) * (g.inter_latency + n / p / every_flow) if nodes > 1 else 0.0
+        return max(inside, across)
     if nodes == 1:
         return _flat(collective, p, n, g.intra_latency, g.intra_bw)
-    flat = _flat(collective, p, n, g.inter_latency, g.inter_bw)
+    flat = _flat(collective, p, n, g.inter_latency, one_flow)
     if local == 1:
         return flat
     if collective == "all-to-all":
         on_node = n * (local - 1) / p / g.intra_bw
-        off_node = n * (p - local) / p / g.inter_bw
+        off_node = n * (p - local) / p / every_flow
         return (p - 1) * g.inter_latency + max(on_node, off_node)
     if collective == "all-reduce":
         hier = (_flat("reduce-scatter", local, n, g.intra_latency, g.intra_bw)
-                + _flat("all-reduce", nodes, n / local, g.inter_latency, g.inter_bw)
+                + _flat("all-reduce", nodes, n / local, g.inter_latency, every_flow)
                 + _flat("all-gather", local, n, g.intra_latency, g.intra_bw))
     else:
         hier = (_flat(collective, local, n, g.intra_latency, g.intra_bw)
-                + _flat(collective, nodes, n / local, g.inter_latency, g.inter_bw))
+                + _flat(collective, nodes, n / local, g.inter_latency, every_flow))
     return min(flat, hier)
 
 
@@ -156,10 +177,12 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
     st = strides(lay)
     items: list[CommItem] = []
 
-    def add(tech, coll, p, n, calls, stride, overlap):
+    zero_algorithm = "pairwise" if cluster.backend == "gloo" else "ring"  # ZeRO's exchanges on gloo
+
+    def add(tech, coll, p, n, calls, stride, overlap, algorithm="ring", collectives=0):
         if p > 1 and n > 0 and calls > 0:
-            seconds = calls * collective_time(coll, p, n, stride, cluster)
-            items.append(CommItem(tech, coll, p, n, calls, seconds, overlap))
+            seconds = calls * collective_time(coll, p, n, stride, cluster, algorithm)
+            items.append(CommItem(tech, coll, p, n, calls, seconds, overlap, collectives))
 
     dense, expert = params_per_rank(m, lay)
     b = states.bytes()
@@ -178,17 +201,22 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
             flags = dp_flags if kind == "dense" else ep_flags
             add(label, "all-reduce", group, (psi + flags) * b["grads"], 1, stride, "backward")
         elif lay.zero in (1, 2):
-            add(f"ZeRO-{lay.zero} grads", "reduce-scatter", group, psi * b["grads"], 1, stride, "backward")
-            add(f"ZeRO-{lay.zero} weights", "all-gather", group, psi * b["params"], 1, stride, "none")
+            add(f"ZeRO-{lay.zero} grads", "reduce-scatter", group, psi * b["grads"], 1, stride, "backward",
+                zero_algorithm)
+            add(f"ZeRO-{lay.zero} weights", "all-gather", group, psi * b["params"], 1, stride, "none", zero_algorithm)
         elif units is not None and kind == "dense":
             root = sum(units.padded_numels[:units.root_units])
-            add("ZeRO-3 root weights (fwd)", "all-gather", group, root * b["params"], mb, stride, "compute")
+            n_units, blocks = len(units.numels), len(units.numels) - units.root_units  # one collective per unit
+            add("ZeRO-3 root weights (fwd)", "all-gather", group, root * b["params"], mb, stride, "compute",
+                zero_algorithm, mb * units.root_units)
             add("ZeRO-3 block weights (fwd+bwd)", "all-gather", group, (units.psi_padded - root) * b["params"],
-                2 * mb, stride, "compute")
-            add("ZeRO-3 grads", "reduce-scatter", group, units.psi_padded * b["grads"], 1, stride, "backward")
+                2 * mb, stride, "compute", zero_algorithm, 2 * mb * blocks)
+            add("ZeRO-3 grads", "reduce-scatter", group, units.psi_padded * b["grads"], 1, stride, "backward",
+                zero_algorithm, n_units)
         else:
-            add("ZeRO-3 weights (fwd+bwd)", "all-gather", group, psi * b["params"], 2 * mb, stride, "compute")
-            add("ZeRO-3 grads", "reduce-scatter", group, psi * b["grads"], mb, stride, "backward")
+            add("ZeRO-3 weights (fwd+bwd)", "all-gather", group, psi * b["params"], 2 * mb, stride, "compute",
+                zero_algorithm)
+            add("ZeRO-3 grads", "reduce-scatter", group, psi * b["grads"], mb, stride, "backward", zero_algorithm)
     s_local = s // lay.cp
     act = lay.micro_batch * s_local * m.d_model * act_bytes
     layers = m.n_layers // lay.pp

@@ -46,6 +46,10 @@ class GPU:
     """Intra-node latency alpha of one message, seconds."""
     inter_latency: float = 10e-6
     """Inter-node latency alpha of one message, seconds."""
+    node_bw: float = 0.0
+    """The node's whole link to the other nodes, one direction, bytes/s, shared by its GPUs' flows (the
+    max-rate model of Gropp, Olson & Samfass 2016, §3: k flows at once get ``min(inter_bw, node_bw / k)``
+    each); 0: one NIC per GPU, ``gpus_per_node * inter_bw``."""
 
     def peak(self, precision: str) -> float:
         """Peak FLOP/s for training in ``precision`` (falls back to fp32 when the dtype is unsupported)."""
@@ -100,8 +104,8 @@ def load_catalogue(path: str | Path | None = None) -> dict[str, GPU]:
 
     Fields of a table: ``bf16_tflops``, ``fp16_tflops``, ``fp32_tflops``, ``fp8_tflops``,
     ``memory_gb``, ``nvlink_gbps`` (bidirectional GB/s), ``network_gbit`` (Gb/s per GPU),
-    ``intra_latency_us``, ``inter_latency_us``; a table naming a built-in GPU changes only the
-    fields it gives.
+    ``intra_latency_us``, ``inter_latency_us``, ``node_network_gbit`` (Gb/s of the node's link, shared
+    by its GPUs; default one NIC per GPU); a table naming a built-in GPU changes only the fields it gives.
     """
     catalogue = dict(BUILTIN_GPUS)
     if path is None:
@@ -114,7 +118,7 @@ def load_catalogue(path: str | Path | None = None) -> dict[str, GPU]:
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"hardware file {str(p)!r} is not valid TOML: {e}") from None
     known = {"bf16_tflops", "fp16_tflops", "fp32_tflops", "fp8_tflops", "memory_gb", "nvlink_gbps",
-             "network_gbit", "intra_latency_us", "inter_latency_us"}
+             "network_gbit", "intra_latency_us", "inter_latency_us", "node_network_gbit"}
     for name, t in tree.get("gpu", {}).items():
         unknown = set(t) - known
         if unknown:
@@ -139,6 +143,10 @@ def load_catalogue(path: str | Path | None = None) -> dict[str, GPU]:
             fields["inter_latency"] = float(t["inter_latency_us"]) * 1e-6
         elif base:
             fields["inter_latency"] = base.inter_latency
+        if "node_network_gbit" in t:
+            fields["node_bw"] = float(t["node_network_gbit"]) / 8 * GB
+        elif base:
+            fields["node_bw"] = base.node_bw
         gpu = GPU(**fields)
         if gpu.memory_bytes <= 0 or gpu.intra_bw <= 0 or gpu.inter_bw <= 0 or gpu.peak("fp32") <= 0:
             raise ValueError(f"hardware file {p}: gpu.{name} needs fp32_tflops, memory_gb, nvlink_gbps and "
@@ -171,6 +179,19 @@ class Cluster:
     """Fraction of peak FLOP/s that the matmuls of training reach (the model's compute efficiency)."""
     overlap: float = 1.0
     """Fraction of the backward pass that data-parallel / ZeRO communication can hide behind."""
+    call_latency: float = 0.0
+    """Seconds every collective call costs beyond its messages when the ranks compute between calls:
+    a rank that arrives first waits for the last (on CPU ranks sharing cores, also for a core). Not
+    hidden. 0 (the default) for accelerators, whose collectives are queued behind the kernels; measured
+    for a CPU cluster by ``bench/bench_multinode.py`` (a small all-reduce between compute bursts)."""
+    backend: str = "nccl"
+    """The process-group backend the trainer runs: with "gloo" (CPU) ZeRO's reduce-scatters and
+    all-gathers are pairwise exchanges posted at once (shardwise.parallel.zero.exchange), not rings."""
+
+    @property
+    def node_bw(self) -> float:
+        """One node's link to the others, bytes/s (one direction)."""
+        return self.gpu.node_bw or self.gpus_per_node * self.gpu.inter_bw
 
     @property
     def world(self) -> int:

@@ -8,7 +8,10 @@
                  ring attention behind attention (Li et al. 2020, "PyTorch Distributed" §3.2.3;
                  Rajbhandari et al. 2019 §7; Liu et al. 2023) — each up to ``cluster.overlap``
   offload      = gradients down and weights up over PCIe (ZeRO-Offload, Ren et al. 2021 §4.1)
-  step time    = compute + bubble + exposed comm + offload
+  sync         = collective calls per step (each unit's ZeRO collectives, the loss all-reduce, the
+                 gradient norm over shards) x ``cluster.call_latency`` (0 on accelerators): what each
+                 synchronisation costs ranks that compute between calls, never hidden
+  step time    = compute + bubble + exposed comm + offload + sync
   tokens/s     = global batch · s / step time;  MFU = model FLOPs/token · tokens/s / (world · peak)
 """
 
@@ -43,6 +46,10 @@ class StepTime:
     hardware_flops_per_token: float
     bubble_fraction: float
     comm: list[CommItem] = field(default_factory=list)
+    sync_s: float = 0.0
+    """Collective calls per step x the cluster's per-call latency."""
+    collectives_per_step: int = 0
+    """Collective calls one rank makes per step (the communication items' and the loop's)."""
 
     @property
     def comm_bytes(self) -> float:
@@ -83,7 +90,11 @@ def step_time(m: ModelSpec, lay: Layout, s: int, cluster: Cluster, states: State
         offload = moved / PCIE_BW
         if lay.offload == "disk":
             offload += 2 * psi * (b["master"] + b["optimizer"]) / NVME_BW
-    total = compute + bubble + exposed + offload
+    # the loop's loss all-reduce, and with sharded gradients the norm's all-reduce over the shards
+    loop_calls = (1 + (lay.zero > 0)) if lay.world > 1 else 0
+    calls = sum(c.n_collectives for c in items) + loop_calls
+    sync = calls * cluster.call_latency
+    total = compute + bubble + exposed + offload + sync
     tps = tokens / total
     return StepTime(compute, bubble, exposed, offload, total, tps, model_fpt * tps / (lay.world * peak), model_fpt,
-                    hw_fpt, bubble / (compute + bubble) if compute else 0.0, items)
+                    hw_fpt, bubble / (compute + bubble) if compute else 0.0, items, sync, calls)

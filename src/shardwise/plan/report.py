@@ -40,7 +40,8 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
         "memory_lines": [dataclasses.asdict(line) for line in c.memory.lines],
         "time": {"step_time_s": t.step_time_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
                  "compute_s": t.compute_s, "bubble_s": t.bubble_s, "bubble_fraction": t.bubble_fraction,
-                 "comm_exposed_s": t.comm_exposed_s, "offload_s": t.offload_s,
+                 "comm_exposed_s": t.comm_exposed_s, "offload_s": t.offload_s, "sync_s": t.sync_s,
+                 "collectives_per_step": t.collectives_per_step,
                  "flops_per_token": t.flops_per_token, "hardware_flops_per_token": t.hardware_flops_per_token,
                  "comm_bytes": t.comm_bytes, "comm_sent_bytes": t.comm_sent_bytes},
         "comm": [{"technique": i.technique, "collective": i.collective, "group": i.group, "payload_bytes": i.payload,
@@ -84,7 +85,8 @@ def breakdown(c: Candidate, note: str = "") -> list[str]:
                          f"x {i.calls:<5} sent {human(i.sent_bytes, 'B'):>9}  {i.time_s * 1e3:9.2f} ms  "
                          f"overlaps: {i.overlap}")
     lines.append(f"step time {t.step_time_s:.3f} s = compute {t.compute_s:.3f} + bubble {t.bubble_s:.3f}"
-                 f" + exposed comm {t.comm_exposed_s:.3f} + offload {t.offload_s:.3f};"
+                 f" + exposed comm {t.comm_exposed_s:.3f} + offload {t.offload_s:.3f}"
+                 + (f" + sync {t.sync_s:.3f} ({t.collectives_per_step} calls)" if t.sync_s else "") + ";"
                  f" {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}")
     return lines
 

@@ -164,7 +164,7 @@ class Engine:
         expert_group = self.mesh.group("edp") if self.ep_group is not None else None  # replicas of my experts
         if not self.zero:
             return DataParallel(self.module, group=self.group, bucket_mb=p.bucket_mb,
-                                all_reduce_fn=gradient_all_reduce(self.cfg.comm, self.ledger["dp"]),
+                                all_reduce_fn=gradient_all_reduce(self.cfg.comm, self.ledger["dp"], p.nproc),
                                 expert_group=expert_group)
         return ZeroDataParallel(self.module, group=self.group, stage=p.zero, bucket_mb=p.bucket_mb,
                                 unit_blocks=p.zero_unit, offload=p.offload,
@@ -223,6 +223,10 @@ class Engine:
 
     def train_mode(self, on: bool) -> None:
         self.module.train(on)
+
+    def comm_choices(self) -> dict[int, str]:
+        """With comm.algorithm "auto": the all-reduce algorithm the cost model chose per bucket size (bytes)."""
+        return dict(getattr(getattr(self.wrapper, "all_reduce_fn", None), "choices", {}))
 
     def comm_metrics(self) -> dict[str, float]:
         """This step's communication as the counting layer recorded it (:meth:`CommLedger.pop_metrics`)."""

@@ -172,6 +172,9 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
             metrics.update({f"mem_{k}": float(v) for k, v in process_memory_bytes().items()})
             engine.write_timeline(run_dir, done)
             metrics.update({f"mem_{k}_bytes": float(v) for k, v in accounted.items()})
+        if first and rank == 0 and engine.comm_choices():
+            log.log_event("comm.algorithm=auto chose " + ", ".join(
+                f"{alg} for {size} B buckets" for size, alg in sorted(engine.comm_choices().items())))
         if first:
             per_rank = train_memory.gather_per_rank(accounted)
             title = f"model-state bytes per rank ({engine.describe()})"

@@ -92,13 +92,13 @@ def run_collective(collective: str, algorithm: str, nbytes: int, group, n: int, 
     raise ValueError(f"unknown collective {collective!r}")
 
 
-def _auto_closure(collective: str, nbytes: int, model, n: int):
+def _auto_closure(collective: str, nbytes: int, model, n: int, local_world_size: int | None = None):
     """``(closure, pick)``: "auto" as the code that uses it runs it, and a function naming the
-    algorithm it ended up running."""
+    algorithm it ended up running (``local_world_size``: the ranks per node, as the trainer passes it)."""
     if collective == "all_reduce":
         from .compress import GradientAllReduce
 
-        fn = GradientAllReduce("auto")
+        fn = GradientAllReduce("auto", local_world_size=local_world_size)
         x = torch.randn(max(nbytes // 4 // n, 1) * n)  # as run_collective sizes it
 
         def run():

@@ -72,18 +72,22 @@ class GradientAllReduce:
         timeout_s: bound on every wait of the collectives it runs (a peer that never arrives is a
             ``TimeoutError`` naming the collective); None: the process group's timeout.
         stats: where its collectives are counted (default: a counter of its own).
+        local_world_size: the launcher's ranks per node (torchrun's LOCAL_WORLD_SIZE), from which
+            "auto" knows which ranks share a node (None: from the host names); a group spanning nodes
+            is calibrated on both link levels, and hierarchical / torus then run with its node size
+            unless ``node_size`` is given.
     """
 
     def __init__(self, algorithm: str = "native", compression: str = "none", topk_ratio: float = 0.01,
                  node_size: int | None = None, int8_chunk: int = 256, timeout_s: float | None = None,
-                 stats: CommStats | None = None):
+                 stats: CommStats | None = None, local_world_size: int | None = None):
         if compression not in COMPRESSIONS:
             raise ValueError(f"comm.compression={compression!r} is not valid; use one of {', '.join(COMPRESSIONS)}")
         if not 0 < topk_ratio <= 1:
             raise ValueError(f"comm.topk_ratio={topk_ratio} must be in (0, 1]")
         self.algorithm, self.compression = algorithm, compression
         self.topk_ratio, self.node_size, self.int8_chunk = topk_ratio, node_size or None, int8_chunk
-        self.timeout_s = timeout_s
+        self.timeout_s, self.local_world_size = timeout_s, local_world_size
         self.stats = stats if stats is not None else CommStats()
         self._models: dict[int, CostModel] = {}
         self._residual: dict[tuple, torch.Tensor] = {}
@@ -102,14 +106,19 @@ class GradientAllReduce:
         the backend's own collectives' wire traffic is not visible, only what they were handed)."""
         return self.stats.pop()
 
-    def _resolve(self, size: int, group, device: torch.device) -> str:
+    def _resolve(self, size: int, group, device: torch.device) -> tuple[str, int | None]:
+        """The algorithm for a bucket of ``size`` bytes, and the node size it runs with."""
         if self.algorithm != "auto":
-            return self.algorithm
+            return self.algorithm, self.node_size
         key = id(group)
         if key not in self._models:  # collective: every rank reaches its first bucket in the same order
-            self._models[key] = calibrate(group, large=min(max(4 << 20, size), 64 << 20), device=device)
-        return self.choices.setdefault(size, self._models[key].choose("all_reduce", size,
-                                                                        node_size=self.node_size))
+            self._models[key] = calibrate(group, large=min(max(4 << 20, size), 64 << 20), device=device,
+                                          local_world_size=self.local_world_size)
+        model = self._models[key]
+        node_size = self.node_size or model.node_size
+        if size not in self.choices:  # once per bucket size: timing every algorithm's schedule costs ~1 ms
+            self.choices[size] = model.choose("all_reduce", size, node_size=node_size)
+        return self.choices[size], node_size
 
     def _first(self, *key) -> bool:
         """True the first time ``key`` is seen: check the ranks' tensors agree on the first call per
@@ -126,11 +135,11 @@ class GradientAllReduce:
             return None
         if self.compression in ("none", "fp16", "bf16"):
             wire = flat if self.compression == "none" else flat.to(_HALF[self.compression])
-            alg = self._resolve(nbytes(wire), group, flat.device)
+            alg, node_size = self._resolve(nbytes(wire), group, flat.device)
             if alg == "native" and wire is flat:  # the backend's own, asynchronous: overlaps the rest of backward
                 self.stats.hand(nbytes(flat), backend=True)
                 return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            all_reduce(wire, "sum", group, alg, node_size=self.node_size, stats=self.stats,
+            all_reduce(wire, "sum", group, alg, node_size=node_size, stats=self.stats,
                        timeout_s=self.timeout_s,
                        verify=self._first("all_reduce", id(group), wire.numel(), wire.dtype, alg))
             if wire is not flat:
@@ -201,7 +210,10 @@ class GradientAllReduce:
         return dequantize_int8(q, scale, self.int8_chunk)
 
 
-def gradient_all_reduce(comm_cfg, stats: CommStats | None = None) -> GradientAllReduce:
-    """The all-reduce a :class:`shardwise.config.CommConfig` asks for, counted in ``stats``."""
+def gradient_all_reduce(comm_cfg, stats: CommStats | None = None,
+                        local_world_size: int | None = None) -> GradientAllReduce:
+    """The all-reduce a :class:`shardwise.config.CommConfig` asks for, counted in ``stats``;
+    ``local_world_size``: the launcher's ranks per node (see :class:`GradientAllReduce`)."""
     return GradientAllReduce(comm_cfg.algorithm, comm_cfg.compression, comm_cfg.topk_ratio,
-                             comm_cfg.node_size or None, timeout_s=comm_cfg.timeout_s or None, stats=stats)
+                             comm_cfg.node_size or None, timeout_s=comm_cfg.timeout_s or None, stats=stats,
+                             local_world_size=local_world_size)

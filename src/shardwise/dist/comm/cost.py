@@ -30,12 +30,16 @@ Reduce-scatter / all-gather: ring N-1 steps, (N-1)/N S; halving / doubling log2 
 N+k-2 steps of S/k (Thakur §3; Chan et al. 2007 §4). Gather / scatter / all-to-all (linear,
 pairwise): N-1 steps, (N-1)/N S; gather / scatter binomial tree: lg steps, (N-1)/N S (Chan §4.1).
 Barrier (dissemination): lg steps of no payload.
+
+A group spanning several nodes is a two-level network: there :class:`CostModel` times each all-reduce
+algorithm by its schedule on the measured intra- and inter-node links (:mod:`.twolevel`), and these
+one-level counts give its arithmetic and copies; the other collectives keep the one-level formulas on
+alpha and beta of a flat ring shift, which crosses the nodes and so measures the slower link.
 """
 
 from __future__ import annotations
 
 import math
-import socket
 import time
 from dataclasses import dataclass, field, replace
 
@@ -45,7 +49,12 @@ import torch.distributed as dist
 from ..devices import data_device, exchange_device, synchronize
 from .allreduce import ALL_REDUCE_ALGORITHMS, torus_shape
 from .collectives import ALGORITHMS
+from .fit import calibration_sizes, fit_line, fit_regimes, relative_errors
 from .p2p import DEFAULT_CHUNK_BYTES, exchange, largest_pow2, make_comm
+from .twolevel import Levels, calibrate_levels, group_nodes, regular_node_size
+
+__all__ = ["Cost", "CostModel", "calibrate", "calibration_sizes", "choose", "cost", "fit_line", "fit_regimes",
+           "relative_errors", "total_bytes"]
 
 
 @dataclass(frozen=True)
@@ -169,9 +178,19 @@ class CostModel:
     native: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Per collective, the backend's own measured ``(seconds, seconds per byte)`` line."""
     margin: float = 0.8
-    """:meth:`choose` takes one of ours over native only if predicted faster than ``margin`` x native;
-    :func:`calibrate` lowers it to ``1 / (1 + e)^2``, e the worst relative error of its own fits, so
-    that a choice is never made on a predicted gain smaller than the model's demonstrated error."""
+    """:meth:`choose` takes one of ours over native only if predicted faster than ``margin`` x native,
+    and than ``1 / (1 + e)`` x native, e the model's demonstrated error near the size in comparing one
+    of ours with native (see :attr:`errors`), so that a choice is never made on a predicted gain smaller
+    than that error. :func:`calibrate` sets it to 0.9 on a group spanning nodes (a gain under 10 % is not
+    worth leaving the backend's own for) and keeps 0.8 on one node (the one-level rule, unchanged)."""
+    errors: tuple[tuple[int, float], ...] = ()
+    """``(size, e)`` per calibration size. Across nodes, how wrong the model was there in comparing ours
+    with native -- for all-reduce the relative error of the predicted ratio ring / native against the
+    measured one (a link effect both share, such as a token-bucket burst, cancels in it), for the other
+    collectives the two fits' errors compounded, ``(1 + e_ring)(1 + e_native) - 1`` -- and the margin
+    at S uses the calibration sizes bracketing S only (a scheduler hiccup at 64 KiB says nothing about
+    64 MiB). On one node (the one-level rule): ``(1 + w)^2 - 1`` at every size, w the worst error of
+    the fits at any size."""
     efficiency: tuple[float, float] = (1.0, 1.0)
     """Measured / modelled time of our ring all-reduce, for the latency part and for the byte part:
     what the ideal formulas miss of our implementation (Python dispatch, copies); applied to all of ours."""
@@ -186,6 +205,33 @@ class CostModel:
     overhead: float = 0.0
     """Seconds per call of one of ours beyond its messages (argument checks, views, scratch buffers):
     the part of our ring all-reduce's fitted latency that its 2(N-1) alphas do not explain."""
+    levels: Levels | None = None
+    """The group spans several nodes: their measured link constants, on which the all-reduce
+    algorithms are timed by their schedules (:mod:`.twolevel`); None on one node."""
+
+    @property
+    def node_size(self) -> int | None:
+        """Ranks per node when the group is runs of equal nodes (what hierarchical / torus are shaped by)."""
+        return regular_node_size(self.levels.nodes) if self.levels else None
+
+    def _ideal(self, collective: str, algorithm: str, nbytes: float, node_size: int | None,
+               chunk_bytes: int) -> tuple[Cost, float, float]:
+        """The one-level counts, and the ideal latency and bandwidth + arithmetic seconds."""
+        c = cost(collective, algorithm, nbytes, self.world_size, node_size, chunk_bytes)
+        if self.levels is not None and collective == "all_reduce":
+            lat, bw = self.levels.time(algorithm, nbytes, node_size or self.node_size)
+            return c, lat, bw + c.reduced * self.gamma
+        moved = c.total / self.world_size if self.shared_host and c.total else c.bytes
+        return c, c.steps * self.alpha, moved * self.beta + c.reduced * self.gamma
+
+    def margin_at(self, nbytes: float) -> float:
+        """The margin for a choice at ``nbytes``: :attr:`margin`, lowered by the errors at the calibration
+        sizes on either side of it (the nearest one beyond the measured range)."""
+        if not self.errors:
+            return self.margin
+        below = [e for size, e in self.errors if size <= nbytes][-1:]
+        above = [e for size, e in self.errors if size >= nbytes][:1]
+        return min(self.margin, 1.0 / (1.0 + max(below + above)))
 
     def predict(self, collective: str, algorithm: str, nbytes: float, node_size: int | None = None,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> float:
@@ -193,19 +239,19 @@ class CostModel:
         if algorithm == "native" and collective in self.native:
             a, b = self.native[collective]
             return a + b * nbytes
-        c = cost(collective, algorithm, nbytes, self.world_size, node_size, chunk_bytes)
+        c, lat, bw = self._ideal(collective, algorithm, nbytes, node_size, chunk_bytes)
         k_lat, k_bytes = self.efficiency if algorithm != "native" else (1.0, 1.0)
         fixed = self.overhead if algorithm != "native" else 0.0
-        moved = c.total / self.world_size if self.shared_host and c.total else c.bytes
-        return (fixed + k_lat * c.steps * self.alpha + k_bytes * (moved * self.beta + c.reduced * self.gamma)
-                + c.copied * self.delta)
+        return fixed + k_lat * lat + k_bytes * bw + c.copied * self.delta
 
     def choose(self, collective: str, nbytes: float, candidates: tuple[str, ...] | None = None,
                node_size: int | None = None) -> str:
         """The candidate with the lowest predicted time; native wins unless beaten by ``margin``."""
         names = candidates or (ALL_REDUCE_ALGORITHMS if collective == "all_reduce" else ALGORITHMS[collective])
         best = "native" if "native" in names else names[0]
-        best_t = self.predict(collective, best, nbytes, node_size) * (self.margin if best == "native" else 1.0)
+        node_size = node_size or self.node_size
+        best_t = self.predict(collective, best, nbytes, node_size) * (self.margin_at(nbytes) if best == "native"
+                                                                       else 1.0)
         for name in names:
             t = self.predict(collective, name, nbytes, node_size)
             if t < best_t:
@@ -214,12 +260,13 @@ class CostModel:
 
 
 def choose(collective: str, nbytes: float, group: dist.ProcessGroup | None = None, model: CostModel | None = None,
-           candidates: tuple[str, ...] | None = None, node_size: int | None = None) -> str:
+           candidates: tuple[str, ...] | None = None, node_size: int | None = None,
+           local_world_size: int | None = None) -> str:
     """The algorithm with the lowest predicted time for ``nbytes`` on ``group``.
 
     Without ``model`` the group is calibrated first (a collective call: every rank must call).
     """
-    model = model or calibrate(group)
+    model = model or calibrate(group, local_world_size=local_world_size)
     return model.choose(collective, nbytes, candidates, node_size)
 
 
@@ -245,42 +292,9 @@ def _agree(group, values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def calibration_sizes(small: int, large: int) -> list[int]:
-    """The message sizes calibration measures: ``small``, then powers of 4 from 64 KiB up to ``large``."""
-    sizes, b = [small], 64 << 10
-    while b < large:
-        if b > small:
-            sizes.append(b)
-        b *= 4
-    return sizes + [large] if large > small else sizes
-
-
-def fit_line(xs: list[float], ts: list[float]) -> tuple[float, float]:
-    """``(a, b)`` of ``t = a + b x`` by least squares on *relative* residuals ((a + b x - t) / t),
-    so that microsecond latencies and 100-ms transfers weigh alike; both kept >= 0."""
-    w = [1.0 / max(t, 1e-12) for t in ts]
-    # normal equations of min sum (a w + b x w - 1)^2
-    s11 = sum(wi * wi for wi in w)
-    s12 = sum(wi * wi * x for wi, x in zip(w, xs, strict=True))
-    s22 = sum((wi * x) ** 2 for wi, x in zip(w, xs, strict=True))
-    r1 = sum(w)
-    r2 = sum(wi * x for wi, x in zip(w, xs, strict=True))
-    det = s11 * s22 - s12 * s12
-    a, b = ((r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det) if det > 0 else (0.0, 0.0)
-    if b < 0 or det <= 0:  # flat: a constant (the mean in the relative sense)
-        return r1 / s11, 0.0
-    if a < 0:  # through the origin
-        return 0.0, r2 / s22
-    return a, b
-
-
-def relative_errors(predicted: list[float], measured: list[float]) -> list[float]:
-    """``predicted / measured - 1`` per point (what ``shardwise bench comm`` reports as the prediction error)."""
-    return [p / max(m, 1e-12) - 1 for p, m in zip(predicted, measured, strict=True)]
-
-
 def calibrate(group: dist.ProcessGroup | None = None, small: int = 8, large: int = 4 << 20, reps: int = 5,
-              collectives: tuple[str, ...] = ("all_reduce",), device: torch.device | None = None) -> CostModel:
+              collectives: tuple[str, ...] = ("all_reduce",), device: torch.device | None = None,
+              local_world_size: int | None = None) -> CostModel:
     """Measure alpha, beta and gamma on ``group`` (collective: every rank calls it).
 
     Every quantity is measured at several sizes (:func:`calibration_sizes`, ``small`` .. ``large``)
@@ -292,13 +306,18 @@ def calibrate(group: dist.ProcessGroup | None = None, small: int = 8, large: int
     against the model's ``2(N-1) alpha`` and ``bytes beta + reduced gamma``: a latency beyond the
     alphas is a per-call ``overhead``, and the ratios are the model's ``efficiency`` (what the ideal
     formulas miss of our implementation, applied to every algorithm of ours). The native
-    collectives get a fitted latency + per-byte line each. ``margin`` is set from the worst
-    relative error of these fits. Best of ``reps`` runs per point, then the maximum over ranks (so
+    collectives get a fitted latency + per-byte line each. ``errors`` records the relative error of
+    these fits at every size (the margin of a choice near that size). Best of ``reps`` runs per point,
+    then the maximum over ranks (so
     every rank holds the same model and makes the same choices). The fit is linear, so sizes beyond
     ``large`` are extrapolated: pass the largest size you care about as ``large``
     (``shardwise bench comm`` does). The buffers live on ``device`` (default: where the group's
     data lives, :func:`~shardwise.dist.devices.data_device` -- the GPU under nccl), so the model
     describes the transfers it will choose for.
+
+    When the group spans nodes (:func:`.twolevel.group_nodes`: from ``local_world_size``, the
+    launcher's ranks per node, else from the host names) each level's links are measured too
+    (:func:`.twolevel.calibrate_levels`) and the all-reduce algorithms are timed on both levels.
     """
     from .allreduce import all_reduce
 
@@ -327,33 +346,55 @@ def calibrate(group: dist.ProcessGroup | None = None, small: int = 8, large: int
     alpha, beta = fit_line([float(b) for b in sizes], shift)
     _, gamma = fit_line([float(b) for b in sizes], add)
     model = CostModel(max(alpha, 1e-9), max(beta, 1e-15), max(gamma, 1e-15), n)
-    hosts: list = [None] * n
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    model.shared_host = len(set(hosts)) == 1
+    nodes = group_nodes(group, local_world_size)
+    model.shared_host = len(set(nodes)) == 1
     model.delta = fit_line([float(b) for b in sizes], copy)[1]
-    ideal = [cost("all_reduce", "ring", b, n) for b in sizes]
-    lat = ideal[0].steps * model.alpha
-    per_byte = (ideal[-1].bytes * model.beta + ideal[-1].reduced * model.gamma) / sizes[-1]
     xs = [float(b) for b in sizes]
-    a, slope = fit_line(xs, ring)
+    if not model.shared_host:
+        model.levels = calibrate_levels(group, nodes, sizes, reps, device, model.gamma, _time, fit_regimes,
+                                        lambda v: _agree(group, v))
+        lat = model._ideal("all_reduce", "ring", sizes[0], None, DEFAULT_CHUNK_BYTES)[1]
+        per_byte = model._ideal("all_reduce", "ring", sizes[-1], None, DEFAULT_CHUNK_BYTES)[2] / sizes[-1]
+    else:
+        ideal = [cost("all_reduce", "ring", b, n) for b in sizes]
+        lat = ideal[0].steps * model.alpha
+        per_byte = (ideal[-1].bytes * model.beta + ideal[-1].reduced * model.gamma) / sizes[-1]
+    fit = fit_line if model.shared_host else fit_regimes  # across nodes: the network's two regimes
+    a, slope = fit(xs, ring)
     if a >= lat:  # slower than its alphas: a per-call overhead on top of them
         model.efficiency, model.overhead = (1.0, max(slope / per_byte, 0.1)), a - lat
     else:  # faster (steps overlap): a latency efficiency below one
         model.efficiency = (max(a / lat, 0.1), max(slope / per_byte, 0.1))
-    worst = _worst_error(model, "all_reduce", "ring", sizes, ring)
+    ring_pred = [model.predict("all_reduce", "ring", b) for b in sizes]
+    worst = [0.0] * k
     for i, coll in enumerate(collectives):
         times = values[(3 + i) * k:(4 + i) * k]
-        model.native[coll] = fit_line(xs, times)
-        worst = max(worst, _worst_error(model, coll, "native", sizes, times))
-    # switch from native only when the predicted gain beats what the fits got wrong on this group
-    model.margin = min(model.margin, 1.0 / (1.0 + worst) ** 2)
+        model.native[coll] = fit(xs, times)
+        native_pred = [model.predict(coll, "native", b) for b in sizes]
+        if coll == "all_reduce":  # the error of the comparison itself: predicted ring / native vs measured
+            errs = [abs((rp / npred) / (rm / max(nm, 1e-12)) - 1)
+                    for rp, npred, rm, nm in zip(ring_pred, native_pred, ring, times, strict=True)]
+        else:
+            errs = [(1 + abs(e1)) * (1 + abs(e2)) - 1 for e1, e2 in
+                    zip(relative_errors(ring_pred, ring), relative_errors(native_pred, times), strict=True)]
+        worst = [max(a, b) for a, b in zip(worst, errs, strict=True)]
+    # switch from native only when the predicted gain beats what the fits got wrong on this group near that size
+    model.errors = tuple(zip(sizes, worst, strict=True))
+    if model.levels is None:  # one node: the one-level rule, the fits' worst error at any size
+        w = max(abs(e) for times, pred in _fits(model, collectives, values, k, sizes, ring, ring_pred)
+                for e in relative_errors(pred, times))
+        model.errors = tuple((b, (1 + w) ** 2 - 1) for b in sizes)
+    else:
+        model.margin = 0.9
     return model
 
 
-def _worst_error(model: CostModel, collective: str, algorithm: str, sizes: list[int], times: list[float]) -> float:
-    """The largest relative error of ``model``'s predictions at the measured calibration points."""
-    pred = [model.predict(collective, algorithm, b) for b in sizes]
-    return max(abs(e) for e in relative_errors(pred, times))
+def _fits(model: CostModel, collectives: tuple[str, ...], values: list[float], k: int, sizes: list[int],
+          ring: list[float], ring_pred: list[float]):
+    """``(measured, predicted)`` of our ring all-reduce and of each native collective at the calibration sizes."""
+    yield ring, ring_pred
+    for i, coll in enumerate(collectives):
+        yield values[(3 + i) * k:(4 + i) * k], [model.predict(coll, "native", b) for b in sizes]
 
 
 def run_collective_native(collective: str, nbytes: int, group, n: int, device: torch.device | None = None):
