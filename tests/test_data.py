@@ -347,7 +347,9 @@ def test_sampler_errors_and_val_indices():
         DistributedWindowSampler(7, 8, 0)
     with pytest.raises(DataError, match="not divisible"):
         DistributedWindowSampler(100, 6, 0, 0, 4)
-    ranks = [val_indices(100, 4, r, 3) for r in range(3)]
+    ranks = [val_indices(100, 12, r, 3) for r in range(3)]
     assert ranks == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-    assert [val_indices(5, 4, r, 2) for r in range(2)] == [[0, 1], [2, 3]]
-    assert val_indices(1, 4, 1, 2) == [] == val_indices(1, 4, 0, 2)
+    assert [val_indices(100, 12, r, 2) for r in range(2)] == [list(range(6)), list(range(6, 12))], \
+        "the same 12 windows whatever the number of ranks"
+    assert [val_indices(5, 8, r, 2) for r in range(2)] == [[0, 1], [2, 3]]
+    assert val_indices(1, 8, 1, 2) == [] == val_indices(1, 8, 0, 2)

@@ -8,6 +8,8 @@ additions).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.test_train import assert_same_training, run
@@ -84,7 +86,7 @@ def test_tensor_parallel_stages_equal_one_process(tmp_path, cache_dir, name, sch
     """tp 2 x pp 2 (4 ranks): every stage is rewritten by the same parallelize() as a whole model; the
     tied GPT-2 table's gradient is exchanged between the first and last stage of each tensor-parallel
     rank (both hold the same vocabulary rows); the gradient norm counts owned pieces over tp and pp."""
-    layers = {"model.n_layers": 4}
+    layers = {"model.n_layers": 4, "data.val_fraction": 0.1}  # enough held-out windows for the validation set
     ref = run(tmp_path, cache_dir, "ref", 1, **layers)
     pp = run(tmp_path, cache_dir, name, 4, **{"parallel.tp": 2, "parallel.pp": 2,
                                              "parallel.microbatches": 4, **layers, **schedule})
@@ -110,8 +112,12 @@ def test_zero_tp_checkpoint_resumes_on_plain_data_parallel(single_process, tmp_p
 
 def test_three_axes_with_zero1_equal_one_process(tmp_path, cache_dir):
     """tp 2 x pp 2 x dp 2 with ZeRO-1 on 8 ranks: Megatron's 3-D layout with the distributed optimizer."""
-    layers = {"model.n_layers": 4}
+    layers = {"model.n_layers": 4, "data.val_fraction": 0.1}  # enough held-out windows for the validation set
     ref = run(tmp_path, cache_dir, "ref", 1, **layers)
     got = run(tmp_path, cache_dir, "tp2-pp2-dp2-z1", 8, **layers, **{"parallel.tp": 2, "parallel.pp": 2,
                                                                      "parallel.zero": 1, "parallel.microbatches": 4})
     assert_same_training(got, ref, atol=1e-5)
+    # the validation set is the same windows whatever the layout (dp 2 x micro 1 here, dp 1 x micro 8 there)
+    val = [[r["val_loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").open()) if "val_loss" in r]
+           for name in ("ref", "tp2-pp2-dp2-z1")]
+    assert len(val[0]) == len(val[1]) == 2 and max(abs(a - b) for a, b in zip(*val, strict=True)) < 1e-5, val

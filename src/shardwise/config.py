@@ -199,7 +199,8 @@ class TrainConfig:
     eval_every: int = 50
     """Validation loss every N steps (and at the end; 0 = only at the end)."""
     eval_batches: int = 8
-    """Micro-batches per validation."""
+    """Size of the validation set in global batches: the first eval_batches * global_batch held-out windows,
+    the same set whatever the layout, split over the data-parallel ranks."""
     objective: str = "causal"
     """"causal" (next-token prediction: gpt2, llama), "mlm" (masked language modelling, Devlin et al. 2019
     §3.1: 15 % of the tokens of each window chosen, 80 % replaced by [MASK], 10 % by a random token, 10 % kept)

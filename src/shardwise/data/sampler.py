@@ -163,14 +163,17 @@ class DistributedWindowSampler:
         return int(state["step"])
 
 
-def val_indices(num_val_windows: int, n: int, dp_rank: int = 0, dp_size: int = 1) -> list[int]:
-    """A fixed, disjoint set of validation windows for one data-parallel rank.
+def val_indices(num_val_windows: int, total: int, dp_rank: int = 0, dp_size: int = 1) -> list[int]:
+    """One data-parallel rank's share of a fixed validation set: the first ``total`` windows.
 
-    Ranks split the first ``n * dp_size`` windows in contiguous runs of ``n``; when validation holds
-    fewer, every rank gets ``num_val_windows // dp_size`` (possibly none: then every rank gets none,
-    so ranks stay in step and a caller can skip evaluation).
+    The set does not depend on the layout (callers pass ``train.eval_batches * train.global_batch``), so
+    every layout reports the validation loss of the same windows. Ranks take contiguous runs of
+    ``total // dp_size``; when validation holds fewer windows, every rank gets
+    ``num_val_windows // dp_size`` (possibly none: then every rank gets none, so ranks stay in step and
+    a caller can skip evaluation).
     """
-    if n < 0 or dp_size < 1 or not 0 <= dp_rank < dp_size:
-        raise DataError(f"val_indices: need n >= 0 and 0 <= dp_rank < dp_size; got n={n}, {dp_rank}, {dp_size}")
-    per = min(n, num_val_windows // dp_size)
+    if total < 0 or dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise DataError(f"val_indices: need total >= 0 and 0 <= dp_rank < dp_size; got total={total}, "
+                        f"{dp_rank}, {dp_size}")
+    per = min(total // dp_size, num_val_windows // dp_size)
     return list(range(dp_rank * per, (dp_rank + 1) * per))

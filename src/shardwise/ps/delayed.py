@@ -91,7 +91,7 @@ def _val_loss(model, windows: TokenWindows, tcfg, n_workers: int) -> float | Non
     model.eval()
     total = count = 0.0
     for w in range(n_workers):
-        ids = val_indices(len(windows), tcfg.eval_batches * tcfg.micro_batch, w, n_workers)
+        ids = val_indices(len(windows), tcfg.eval_batches * tcfg.global_batch, w, n_workers)
         for start in range(0, len(ids), tcfg.micro_batch):
             x, y = windows.batch(ids[start:start + tcfg.micro_batch])
             total += float(model(x, y)) * x.shape[0]

@@ -200,7 +200,7 @@ def _work(cfg, run_dir, model, parts, codec, sampler, corpus, worker_group, log,
 def _evaluate(model, windows, tcfg, rank: int, n_workers: int, group) -> float | None:
     """Mean validation loss over the held-out windows, split over the workers (a collective of theirs)."""
     model.eval()
-    ids = val_indices(len(windows), tcfg.eval_batches * tcfg.micro_batch, rank, n_workers)
+    ids = val_indices(len(windows), tcfg.eval_batches * tcfg.global_batch, rank, n_workers)
     total = torch.zeros(2, dtype=torch.float64)
     for start in range(0, len(ids), tcfg.micro_batch):
         x, y = windows.batch(ids[start:start + tcfg.micro_batch])

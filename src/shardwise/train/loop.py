@@ -129,6 +129,12 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
                           "few for every rank: no val_loss (raise data.val_fraction or use a larger corpus)")
         else:
             log.log(0, {"val_loss": val_loss})
+    wanted = tcfg.eval_batches * tcfg.global_batch
+    if len(val_windows) < wanted:
+        used = len(val_windows) // dp_size * dp_size
+        log.log_event(f"the validation split holds {len(val_windows)} windows, fewer than train.eval_batches x "
+                      f"train.global_batch = {wanted}: val_loss is over the first {used}, a set that depends on "
+                      "the data-parallel size (raise data.val_fraction to compare layouts)")
     done = start_step
     for step in range(start_step, tcfg.steps):
         t0 = time.perf_counter()
@@ -217,7 +223,7 @@ def evaluate(engine, windows: TokenWindows, tcfg, dp_rank: int, dp_size: int, gr
     """Mean validation loss over a fixed set of held-out windows, split across data-parallel ranks
     (None when the validation split is too small to give every rank a window)."""
     engine.train_mode(False)
-    ids = val_indices(len(windows), tcfg.eval_batches * tcfg.micro_batch, dp_rank, dp_size)
+    ids = val_indices(len(windows), tcfg.eval_batches * tcfg.global_batch, dp_rank, dp_size)
     total = torch.zeros(2, device=device, dtype=torch.float64)
     for start in range(0, len(ids), tcfg.micro_batch):
         x, y = windows.batch(ids[start:start + tcfg.micro_batch])
