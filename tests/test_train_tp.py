@@ -86,7 +86,7 @@ def test_tensor_parallel_stages_equal_one_process(tmp_path, cache_dir, name, sch
     """tp 2 x pp 2 (4 ranks): every stage is rewritten by the same parallelize() as a whole model; the
     tied GPT-2 table's gradient is exchanged between the first and last stage of each tensor-parallel
     rank (both hold the same vocabulary rows); the gradient norm counts owned pieces over tp and pp."""
-    layers = {"model.n_layers": 4, "data.val_fraction": 0.1}  # enough held-out windows for the validation set
+    layers = {"model.n_layers": 4}
     ref = run(tmp_path, cache_dir, "ref", 1, **layers)
     pp = run(tmp_path, cache_dir, name, 4, **{"parallel.tp": 2, "parallel.pp": 2,
                                              "parallel.microbatches": 4, **layers, **schedule})
