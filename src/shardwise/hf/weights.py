@@ -34,14 +34,23 @@ _GPT2_LINEAR = {"attn.o_proj": "attn.c_proj", "mlp.fc_in": "mlp.c_fc", "mlp.fc_o
 def to_hf(state: State, m) -> dict[str, torch.Tensor]:
     """The ``transformers`` state of our model state ``state`` (fields ``m``); contiguous tensors. A tied
     output head is left out, as ``save_pretrained`` does."""
-    out = {"gpt2": _gpt2_to_hf, "llama": _llama_to_hf, "bert": _bert_to_hf}[m.flavor](state, m)
+    names, transposed = _names(m)
+    out = {theirs: state[ours].t() if ours in transposed else state[ours] for ours, theirs in names.items()}
+    if m.flavor == "gpt2":
+        out.update(_gpt2_qkv_to_hf(state, m))
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def from_hf(hf: State, m) -> dict[str, torch.Tensor]:
     """Our model state (every key of ``Transformer(m).state_dict()``) from a ``transformers`` state."""
     hf = normalized(hf, m)
-    return {"gpt2": _gpt2_from_hf, "llama": _llama_from_hf, "bert": _bert_from_hf}[m.flavor](hf, m)
+    names, transposed = _names(m)
+    out = {ours: hf[theirs].t().contiguous() if ours in transposed else hf[theirs] for ours, theirs in names.items()}
+    if m.flavor == "gpt2":
+        out.update(_gpt2_qkv_from_hf(hf, m))
+    if m.tie_embeddings and not m.n_classes:
+        out["lm_head.weight"] = out["tok_emb.weight"]
+    return out
 
 
 def normalized(hf: Mapping, m) -> dict:
@@ -86,64 +95,6 @@ def check_shapes(hf_shapes: Mapping[str, tuple[int, ...]], m, where: str) -> Non
                       f"({len(unknown)} unknown tensors)")
 
 
-def _gpt2_to_hf(s: State, m) -> dict[str, torch.Tensor]:
-    out = {"transformer.wte.weight": s["tok_emb.weight"], "transformer.wpe.weight": s["pos_emb.weight"],
-           "transformer.ln_f.weight": s["norm_f.weight"], "transformer.ln_f.bias": s["norm_f.bias"]}
-    for i in range(m.n_layers):
-        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
-        for a, b in _GPT2_PLAIN.items():
-            for t in ("weight", "bias"):
-                out[f"{theirs}{b}.{t}"] = s[f"{ours}{a}.{t}"]
-        qkv = [f"{ours}attn.{p}_proj" for p in "qkv"]
-        out[f"{theirs}attn.c_attn.weight"] = torch.cat([s[f"{n}.weight"] for n in qkv], 0).t()
-        out[f"{theirs}attn.c_attn.bias"] = torch.cat([s[f"{n}.bias"] for n in qkv], 0)
-        for a, b in _GPT2_LINEAR.items():
-            out[f"{theirs}{b}.weight"] = s[f"{ours}{a}.weight"].t()
-            out[f"{theirs}{b}.bias"] = s[f"{ours}{a}.bias"]
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = s["lm_head.weight"]
-    return out
-
-
-def _gpt2_from_hf(h: State, m) -> dict[str, torch.Tensor]:
-    out = {"tok_emb.weight": h["transformer.wte.weight"], "pos_emb.weight": h["transformer.wpe.weight"],
-           "norm_f.weight": h["transformer.ln_f.weight"], "norm_f.bias": h["transformer.ln_f.bias"]}
-    for i in range(m.n_layers):
-        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
-        for a, b in _GPT2_PLAIN.items():
-            for t in ("weight", "bias"):
-                out[f"{ours}{a}.{t}"] = h[f"{theirs}{b}.{t}"]
-        weights = h[f"{theirs}attn.c_attn.weight"].t().split(m.d_model, 0)
-        biases = h[f"{theirs}attn.c_attn.bias"].split(m.d_model, 0)
-        for p, w, b in zip("qkv", weights, biases, strict=True):
-            out[f"{ours}attn.{p}_proj.weight"] = w.contiguous()
-            out[f"{ours}attn.{p}_proj.bias"] = b.contiguous()
-        for a, b in _GPT2_LINEAR.items():
-            out[f"{ours}{a}.weight"] = h[f"{theirs}{b}.weight"].t().contiguous()
-            out[f"{ours}{a}.bias"] = h[f"{theirs}{b}.bias"]
-    out["lm_head.weight"] = out["tok_emb.weight"] if m.tie_embeddings else h["lm_head.weight"]
-    return out
-
-
-def _llama_to_hf(s: State, m) -> dict[str, torch.Tensor]:
-    out = {"model.embed_tokens.weight": s["tok_emb.weight"], "model.norm.weight": s["norm_f.weight"]}
-    for i in range(m.n_layers):
-        for a, b in _LLAMA_BLOCK.items():
-            out[f"model.layers.{i}.{b}"] = s[f"blocks.{i}.{a}"]
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = s["lm_head.weight"]
-    return out
-
-
-def _llama_from_hf(h: State, m) -> dict[str, torch.Tensor]:
-    out = {"tok_emb.weight": h["model.embed_tokens.weight"], "norm_f.weight": h["model.norm.weight"]}
-    for i in range(m.n_layers):
-        for a, b in _LLAMA_BLOCK.items():
-            out[f"blocks.{i}.{a}"] = h[f"model.layers.{i}.{b}"]
-    out["lm_head.weight"] = out["tok_emb.weight"] if m.tie_embeddings else h["lm_head.weight"]
-    return out
-
-
 _BERT_BLOCK = {  # ours -> transformers, inside layer i (weight and bias each)
     "attn.q_proj": "attention.self.query", "attn.k_proj": "attention.self.key", "attn.v_proj": "attention.self.value",
     "attn.o_proj": "attention.output.dense", "norm1": "attention.output.LayerNorm",
@@ -168,23 +119,58 @@ _BERT_CLASSIFIER = {"pooler.weight": "bert.pooler.dense.weight", "pooler.bias": 
                     "classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"}
 
 
-def _bert_names(m) -> dict[str, str]:
-    names = {**_BERT_TOP, **(_BERT_CLASSIFIER if m.n_classes else _BERT_MLM)}
+def _names(m) -> tuple[dict[str, str], set[str]]:
+    """Our name -> the ``transformers`` name of every tensor that is only renamed (one table serves both
+    directions), and which of ours are stored transposed there (GPT-2's ``Conv1D``). GPT-2's fused
+    ``c_attn`` is not in it (:func:`_gpt2_qkv_to_hf`); an untied output head is."""
+    names, transposed = {}, set()
+    if m.flavor == "bert":
+        names = {**_BERT_TOP, **(_BERT_CLASSIFIER if m.n_classes else _BERT_MLM)}
+        for i in range(m.n_layers):
+            for a, b in _BERT_BLOCK.items():
+                for t in ("weight", "bias"):
+                    names[f"blocks.{i}.{a}.{t}"] = f"bert.encoder.layer.{i}.{b}.{t}"
+        if not m.tie_embeddings and not m.n_classes:
+            names["lm_head.weight"] = "cls.predictions.decoder.weight"
+        return names, transposed
+    if m.flavor == "llama":
+        names = {"tok_emb.weight": "model.embed_tokens.weight", "norm_f.weight": "model.norm.weight"}
+        for i in range(m.n_layers):
+            for a, b in _LLAMA_BLOCK.items():
+                names[f"blocks.{i}.{a}"] = f"model.layers.{i}.{b}"
+    else:
+        names = {"tok_emb.weight": "transformer.wte.weight", "pos_emb.weight": "transformer.wpe.weight",
+                 "norm_f.weight": "transformer.ln_f.weight", "norm_f.bias": "transformer.ln_f.bias"}
+        for i in range(m.n_layers):
+            ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+            for table in (_GPT2_PLAIN, _GPT2_LINEAR):
+                for a, b in table.items():
+                    for t in ("weight", "bias"):
+                        names[f"{ours}{a}.{t}"] = f"{theirs}{b}.{t}"
+            transposed |= {f"{ours}{a}.weight" for a in _GPT2_LINEAR}
+    if not m.tie_embeddings:
+        names["lm_head.weight"] = "lm_head.weight"
+    return names, transposed
+
+
+def _gpt2_qkv_to_hf(s: State, m) -> dict[str, torch.Tensor]:
+    """GPT-2's fused ``c_attn`` (``Conv1D``: ``[in, 3 out]``) from our q, k and v projections."""
+    out = {}
     for i in range(m.n_layers):
-        for a, b in _BERT_BLOCK.items():
-            for t in ("weight", "bias"):
-                names[f"blocks.{i}.{a}.{t}"] = f"bert.encoder.layer.{i}.{b}.{t}"
-    if not m.tie_embeddings and not m.n_classes:
-        names["lm_head.weight"] = "cls.predictions.decoder.weight"
-    return names
+        qkv = [f"blocks.{i}.attn.{p}_proj" for p in "qkv"]
+        out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat([s[f"{n}.weight"] for n in qkv], 0).t()
+        out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat([s[f"{n}.bias"] for n in qkv], 0)
+    return out
 
 
-def _bert_to_hf(s: State, m) -> dict[str, torch.Tensor]:
-    return {theirs: s[ours] for ours, theirs in _bert_names(m).items()}
-
-
-def _bert_from_hf(h: State, m) -> dict[str, torch.Tensor]:
-    out = {ours: h[theirs] for ours, theirs in _bert_names(m).items()}
-    if m.tie_embeddings and not m.n_classes:
-        out["lm_head.weight"] = out["tok_emb.weight"]
+def _gpt2_qkv_from_hf(h: State, m) -> dict[str, torch.Tensor]:
+    """Our q, k and v projections from GPT-2's fused ``c_attn``."""
+    out = {}
+    for i in range(m.n_layers):
+        theirs = f"transformer.h.{i}.attn.c_attn"
+        weights = h[f"{theirs}.weight"].t().split(m.d_model, 0)
+        biases = h[f"{theirs}.bias"].split(m.d_model, 0)
+        for p, w, b in zip("qkv", weights, biases, strict=True):
+            out[f"blocks.{i}.attn.{p}_proj.weight"] = w.contiguous()
+            out[f"blocks.{i}.attn.{p}_proj.bias"] = b.contiguous()
     return out
