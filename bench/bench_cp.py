@@ -59,6 +59,7 @@ class _Activations(_SavedBytes):
 
 def _config(args, cp: int, seq: int):
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
 
     overrides = {"model.preset": "tiny-llama", "model.d_model": str(args.d_model), "model.n_layers": str(args.n_layers),
                  "model.n_heads": str(args.n_heads), "model.n_kv_heads": str(args.n_kv_heads),
@@ -67,7 +68,7 @@ def _config(args, cp: int, seq: int):
                  "train.global_batch": str(args.batch)}
     if cp > 1:
         overrides["parallel.cp_algorithm"] = args.algorithm
-    return Config.load(overrides=overrides).resolve(world_size=cp, tokenizer_vocab=args.vocab)
+    return resolve(Config.load(overrides=overrides), world_size=cp, tokenizer_vocab=args.vocab)
 
 
 def _step(model, opt, x, y, probe=None) -> float:

@@ -45,12 +45,13 @@ def build_model(args) -> tuple[nn.Module, dict]:
     """shardwise's Transformer (cpu-demo shape, widened), or a stand-in when it is not available."""
     try:
         from shardwise.config import Config
+        from shardwise.config_resolve import resolve
         from shardwise.model import Transformer
 
         overrides = {"model.preset": "cpu-demo", "model.d_model": str(args.d_model),
                      "model.n_layers": str(args.n_layers), "model.max_seq_len": str(args.seq_len),
                      "data.seq_len": str(args.seq_len)}
-        cfg = Config.load(overrides=overrides).resolve(world_size=args.nproc, tokenizer_vocab=257).model
+        cfg = resolve(Config.load(overrides=overrides), world_size=args.nproc, tokenizer_vocab=257).model
         model = Transformer(cfg)
         desc = {"name": "shardwise.model.Transformer", "preset": "cpu-demo", "flavor": cfg.flavor,
                 "d_model": cfg.d_model, "n_layers": cfg.n_layers, "vocab_size": cfg.vocab_size}

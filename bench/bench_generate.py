@@ -29,9 +29,10 @@ def build_model(args):
 
         return load_trained_model(Path(args.run_dir))[0]
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
     from shardwise.model import Transformer
 
-    cfg = Config.load(overrides={"model.preset": args.preset, "parallel.nproc": "1"}).resolve(tokenizer_vocab=257)
+    cfg = resolve(Config.load(overrides={"model.preset": args.preset, "parallel.nproc": "1"}), tokenizer_vocab=257)
     model = Transformer(cfg.model)
     model.reset_parameters(seed=0)
     return model

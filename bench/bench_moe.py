@@ -42,14 +42,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def build_model(args, ep_group, algorithm: str):
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
     from shardwise.model import Transformer
-    from shardwise.parallel.expert import apply_expert_parallel
+    from shardwise.parallel.expert.dispatch import apply_expert_parallel
 
     overrides = {"model.preset": "tiny-moe", "model.d_model": str(args.d_model), "model.n_layers": str(args.n_layers),
                  "model.n_heads": "4", "model.d_ff": str(2 * args.d_model), "model.n_experts": str(args.experts),
                  "model.moe_top_k": str(args.top_k), "model.vocab_size": "512",
                  "model.max_seq_len": str(args.seq_len), "data.seq_len": str(args.seq_len)}
-    cfg = Config.load(overrides=overrides).resolve(tokenizer_vocab=512).model
+    cfg = resolve(Config.load(overrides=overrides), tokenizer_vocab=512).model
     model = Transformer(cfg)
     model.reset_parameters(0)
     if ep_group is not None:
@@ -58,10 +59,10 @@ def build_model(args, ep_group, algorithm: str):
 
 
 class _A2ATimer:
-    """Seconds spent inside the expert all-to-alls (wraps the function parallel/expert.py calls)."""
+    """Seconds spent inside the expert all-to-alls (wraps the function parallel/expert/dispatch.py calls)."""
 
     def __init__(self):
-        import shardwise.parallel.expert as expert
+        import shardwise.parallel.expert.dispatch as expert
 
         self.seconds, self._inner, self._module = 0.0, expert.all_to_all_v, expert
 

@@ -44,13 +44,14 @@ def run_ours(args, root: Path) -> tuple[list[float], list[float]]:
     """The trainer in this process (a one-rank group); its own logged step times and losses."""
     import torch.distributed as dist
 
+    from shardwise.config_resolve import resolve
     from shardwise.data import prepare_corpus
     from shardwise.train.loop import train
 
     run_dir = Path(tempfile.mkdtemp(dir=root))
     cfg = make_config(args, run_dir)
     corpus = prepare_corpus(cfg.data, run_dir)
-    cfg = cfg.resolve(world_size=1, tokenizer_vocab=corpus.vocab_size)
+    cfg = resolve(cfg, world_size=1, tokenizer_vocab=corpus.vocab_size)
     train(cfg, run_dir)
     dist.destroy_process_group()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -60,6 +61,7 @@ def run_ours(args, root: Path) -> tuple[list[float], list[float]]:
 
 def run_plain(args, root: Path) -> tuple[list[float], list[float]]:
     """A hand-written PyTorch loop over the same model, windows, schedule and optimizer settings."""
+    from shardwise.config_resolve import resolve
     from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus
     from shardwise.model import Transformer
     from shardwise.train.optim import build_optimizer, lr_at, set_lr
@@ -67,7 +69,7 @@ def run_plain(args, root: Path) -> tuple[list[float], list[float]]:
     run_dir = Path(tempfile.mkdtemp(dir=root))
     cfg = make_config(args, run_dir)
     corpus = prepare_corpus(cfg.data, run_dir)
-    cfg = cfg.resolve(world_size=1, tokenizer_vocab=corpus.vocab_size)
+    cfg = resolve(cfg, world_size=1, tokenizer_vocab=corpus.vocab_size)
     t = cfg.train
     windows = TokenWindows(corpus.train_path, cfg.data.seq_len)
     sampler = DistributedWindowSampler(len(windows), t.global_batch, t.seed, 0, 1)

@@ -39,9 +39,10 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleave
 
 def _cfg(args):
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
 
     overrides = {"model.preset": args.preset, "model.n_layers": str(args.n_layers), "data.seq_len": str(args.seq_len)}
-    return Config.load(overrides=overrides).resolve(world_size=1, tokenizer_vocab=257).model
+    return resolve(Config.load(overrides=overrides), world_size=1, tokenizer_vocab=257).model
 
 
 class _Logits(nn.Module):

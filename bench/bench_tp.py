@@ -3,7 +3,7 @@
 The same Llama-flavour Transformer (shardwise.model, RMSNorm / SwiGLU / GQA) is split the same way by
 both: q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel, the token embedding over
 the vocabulary, lm_head over the vocabulary with a vocabulary-parallel cross-entropy. Ours is
-``shardwise.parallel.plan.apply_tensor_parallel``; the peer is ``parallelize_module`` with
+``shardwise.parallel.tensor.plan.apply_tensor_parallel``; the peer is ``parallelize_module`` with
 ``ColwiseParallel`` / ``RowwiseParallel`` (and ``SequenceParallel`` + ``PrepareModuleInput`` with
 ``--sp``), the loss under ``loss_parallel()`` -- the layout torchtitan uses for Llama.
 
@@ -46,13 +46,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def build_model(args):
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
     from shardwise.model import Transformer
 
     overrides = {"model.preset": "tiny-llama", "model.d_model": str(args.d_model), "model.n_layers": str(args.n_layers),
                  "model.n_heads": str(args.n_heads), "model.n_kv_heads": str(args.n_kv_heads),
                  "model.vocab_size": str(args.vocab), "model.max_seq_len": str(args.seq_len),
                  "data.seq_len": str(args.seq_len)}
-    cfg = Config.load(overrides=overrides).resolve(tokenizer_vocab=args.vocab).model
+    cfg = resolve(Config.load(overrides=overrides), tokenizer_vocab=args.vocab).model
     model = Transformer(cfg)
     model.reset_parameters(0)
     desc = {"name": "shardwise.model.Transformer", "flavor": cfg.flavor, "d_model": cfg.d_model,
@@ -95,7 +96,7 @@ def torch_tp(model, sp: bool):
 
 
 def ours_tp(model, sp: bool):
-    from shardwise.parallel.plan import apply_tensor_parallel
+    from shardwise.parallel.tensor.plan import apply_tensor_parallel
 
     return apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
 

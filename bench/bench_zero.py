@@ -54,11 +54,12 @@ def _rss() -> int:
 
 def build_model(args):
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
     from shardwise.model import Transformer
 
     overrides = {"model.preset": "cpu-demo", "model.d_model": str(args.d_model),
                  "model.n_layers": str(args.n_layers), "data.seq_len": str(args.seq_len)}
-    cfg = Config.load(overrides=overrides).resolve(world_size=2, tokenizer_vocab=257).model
+    cfg = resolve(Config.load(overrides=overrides), world_size=2, tokenizer_vocab=257).model
     torch.manual_seed(0)
     model = Transformer(cfg)
     model.reset_parameters(0)

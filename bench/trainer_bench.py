@@ -90,9 +90,10 @@ def parameters(overrides: dict, vocab_size: int) -> int:
     import torch
 
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
     from shardwise.model import Transformer
 
     merged = {k: str(v) for k, v in overrides.items()}
-    cfg = Config.load(overrides=merged).resolve(world_size=1, tokenizer_vocab=257)
+    cfg = resolve(Config.load(overrides=merged), world_size=1, tokenizer_vocab=257)
     with torch.device("meta"):
         return Transformer(cfg.model).num_parameters()

@@ -41,12 +41,13 @@ def test_mlm_on_data_parallel_zero3_pipeline_and_tensor_parallel_equals_one_proc
 def test_bert_configs_that_are_not_implemented_are_refused_with_one_line():
     import pytest
 
+    from shardwise import config_resolve
     from shardwise.config import Config, ConfigError
 
     def resolve(**overrides):
         base = {"parallel.nproc": "2", "model.flavor": "bert", "train.objective": "mlm"}
-        return Config.load(overrides={**base, **{k.replace("_", ".", 1): str(v) for k, v in overrides.items()}}) \
-            .resolve(tokenizer_vocab=257)
+        overrides = {**base, **{k.replace("_", ".", 1): str(v) for k, v in overrides.items()}}
+        return config_resolve.resolve(Config.load(overrides=overrides), tokenizer_vocab=257)
 
     assert resolve().model.vocab_size == 260, "[PAD], [CLS], [MASK] past the tokenizer's ids"
     for overrides, message in [

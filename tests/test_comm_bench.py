@@ -7,6 +7,7 @@ import json
 import pytest
 
 from shardwise.config import Config, ConfigError
+from shardwise.config_resolve import resolve
 from shardwise.dist.comm.bench import main, parse_sizes
 
 
@@ -42,11 +43,11 @@ def test_bench_rejects_unknown_algorithm(capsys):
 ])
 def test_comm_config_is_validated(overrides, fragment):
     with pytest.raises(ConfigError) as e:
-        Config.load(overrides=overrides).resolve(tokenizer_vocab=257)
+        resolve(Config.load(overrides=overrides), tokenizer_vocab=257)
     assert fragment in str(e.value)
 
 
 def test_comm_config_accepts_every_algorithm_and_compression():
     for key, value in [("comm.algorithm", "auto"), ("comm.algorithm", "torus"), ("comm.compression", "topk"),
                        ("comm.compression", "int8")]:
-        Config.load(overrides={key: value}).resolve(tokenizer_vocab=257)
+        resolve(Config.load(overrides={key: value}), tokenizer_vocab=257)

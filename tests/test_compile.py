@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from shardwise.config import Config
+from shardwise.config_resolve import resolve
 from shardwise.model import Transformer
 from shardwise.parallel import compile as compile_module
 
@@ -21,7 +22,7 @@ def test_every_block_forward_is_compiled_and_the_state_dict_is_unchanged(monkeyp
         return fn
 
     monkeypatch.setattr(compile_module.torch, "compile", fake_compile)
-    cfg = Config.load(overrides={"model.preset": "tiny", "train.compile": "true"}).resolve(world_size=1,
+    cfg = resolve(Config.load(overrides={"model.preset": "tiny", "train.compile": "true"}), world_size=1,
                                                                                           tokenizer_vocab=256)
     assert cfg.train.compile is True
     model = Transformer(cfg.model)

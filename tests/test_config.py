@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from shardwise import config_resolve
 from shardwise.cli import main, split_overrides
 from shardwise.config import Config, ConfigError
 
 
 def resolve(**overrides) -> Config:
-    return Config.load(overrides={k.replace("__", "."): str(v) for k, v in overrides.items()}).resolve(
-        tokenizer_vocab=257
-    )
+    overrides = {k.replace("__", "."): str(v) for k, v in overrides.items()}
+    return config_resolve.resolve(Config.load(overrides=overrides), tokenizer_vocab=257)
 
 
 def test_defaults_resolve_to_the_cpu_demo():
@@ -30,7 +30,7 @@ def test_overrides_and_toml_round_trip(tmp_path):
     assert cfg.train.lr == 3e-4 and cfg.model.flavor == "llama" and cfg.run.progress is False
     path = tmp_path / "c.toml"
     path.write_text(cfg.to_toml())
-    again = Config.load(path).resolve(tokenizer_vocab=257)
+    again = config_resolve.resolve(Config.load(path), tokenizer_vocab=257)
     assert again == cfg
 
 
@@ -73,7 +73,7 @@ def test_any_two_batch_fields_set_the_third(given, expected):
 )
 def test_invalid_values_name_the_field_and_what_is_valid(overrides, fragment):
     with pytest.raises(ConfigError) as e:
-        Config.load(overrides=overrides).resolve(tokenizer_vocab=257)
+        config_resolve.resolve(Config.load(overrides=overrides), tokenizer_vocab=257)
     assert fragment in str(e.value)
     assert "\n" not in str(e.value)
 
@@ -85,7 +85,7 @@ def test_unknown_key_suggests_the_nearest():
 
 def test_vocab_smaller_than_tokenizer_is_rejected():
     with pytest.raises(ConfigError, match="smaller than the tokenizer's vocabulary"):
-        Config.load(overrides={"model.vocab_size": "100"}).resolve(tokenizer_vocab=257)
+        config_resolve.resolve(Config.load(overrides={"model.vocab_size": "100"}), tokenizer_vocab=257)
 
 
 def test_split_overrides():
@@ -136,7 +136,7 @@ SHIPPED_CONFIGS = [  # training configs (configs/ also holds other TOML, e.g. a 
 
 @pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_are_valid(path):
-    Config.load(path).resolve(tokenizer_vocab=4096 if "bpe" in path.read_text() else 257)
+    config_resolve.resolve(Config.load(path), tokenizer_vocab=4096 if "bpe" in path.read_text() else 257)
 
 
 def test_device_picks_the_backend():

@@ -20,6 +20,7 @@ import pytest
 import tomli_w
 
 import shardwise.config as config_module
+from shardwise import config_resolve
 from shardwise.cli import main, split_overrides
 from shardwise.config import CHOICES, Config, ConfigError
 
@@ -51,7 +52,7 @@ def texts(overrides: dict) -> dict[str, str]:
 
 
 def resolve(overrides: dict) -> Config:
-    return Config.load(overrides=texts({**BASE, **overrides})).resolve(tokenizer_vocab=257)
+    return config_resolve.resolve(Config.load(overrides=texts({**BASE, **overrides})), tokenizer_vocab=257)
 
 
 # ---- 1. every documented choice: the same value in TOML and on the command line --------------------
@@ -100,7 +101,7 @@ CASES = [(d, v) for d, options in CHOICES.items() for v in (*options, *EXTRA_VAL
 
 def _outcome(load) -> Config | str:
     try:
-        return load().resolve(tokenizer_vocab=257)
+        return config_resolve.resolve(load(), tokenizer_vocab=257)
     except ConfigError as e:
         return f"error: {e}"
 

@@ -67,9 +67,10 @@ class TinyLM(nn.Module):
 
 def _transformer():
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
     from shardwise.model import Transformer
 
-    cfg = Config.load(overrides={"model.preset": "tiny"}).resolve(world_size=1, tokenizer_vocab=257).model
+    cfg = resolve(Config.load(overrides={"model.preset": "tiny"}), world_size=1, tokenizer_vocab=257).model
     return Transformer(cfg)
 
 

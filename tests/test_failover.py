@@ -108,18 +108,20 @@ def test_a_failure_that_repeats_is_not_retried(tmp_path, cache_dir):
 ])
 def test_bad_fault_specs_are_refused_in_one_line(fault, fragment):
     from shardwise.config import Config, ConfigError
+    from shardwise.config_resolve import resolve
 
     cfg = Config.load(overrides={"parallel.nproc": "2", "train.steps": "10", "run.fault": fault})
     with pytest.raises(ConfigError, match="run.fault=") as e:
-        cfg.resolve(tokenizer_vocab=257)
+        resolve(cfg, tokenizer_vocab=257)
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
 def test_max_restarts_defaults_to_three_when_checkpoints_are_written():
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
 
     def resolved(**o):
-        return Config.load(overrides={"parallel.nproc": "2", **o}).resolve(tokenizer_vocab=257).run.max_restarts
+        return resolve(Config.load(overrides={"parallel.nproc": "2", **o}), tokenizer_vocab=257).run.max_restarts
 
     assert (resolved(), resolved(**{"ckpt.every": "0"}), resolved(**{"run.max_restarts": "1"})) == (3, 0, 1)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from shardwise.config import Config
+from shardwise.config_resolve import resolve
 from shardwise.model import KVCache, Transformer, generate, generate_batch
 
 
@@ -15,7 +16,7 @@ def model_of(flavor: str) -> Transformer:
              "model.max_seq_len": "24", "model.preset": "custom", "parallel.nproc": "1"}
     if flavor == "llama":
         shape["model.n_kv_heads"] = "2"
-    model = Transformer(Config.load(overrides=shape).resolve(tokenizer_vocab=257).model)
+    model = Transformer(resolve(Config.load(overrides=shape), tokenizer_vocab=257).model)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():

@@ -125,12 +125,13 @@ def test_checkpoint_moves_between_gpu_and_cpu(nccl_process, gpu_reference, cpu_r
 def _offload_buffers() -> dict:
     """In the NCCL process: ZeRO-2 with CPU offload on a CUDA model -- where its buffers live."""
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
     from shardwise.dist.mesh import init_distributed
     from shardwise.model import Transformer
     from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 
     init_distributed("nccl")
-    cfg = Config.load(overrides={"model.preset": "tiny"}).resolve(world_size=1, tokenizer_vocab=256)
+    cfg = resolve(Config.load(overrides={"model.preset": "tiny"}), world_size=1, tokenizer_vocab=256)
     model = Transformer(cfg.model).cuda()
     engine = ZeroDataParallel(model, stage=2, offload="cpu")
     opt = ZeroOptimizer(engine, torch.optim.AdamW(model.parameters(), lr=1e-3))

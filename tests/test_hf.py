@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardwise.config import Config, ConfigError
+from shardwise.config_resolve import resolve
 from shardwise.data.tokenizer import ByteTokenizer
 from shardwise.hf.config_map import HFError
 from shardwise.hf.export import export_model
@@ -38,7 +39,7 @@ SHAPES["bert_cls"] = {**SHAPES["bert"], **CLASSIFY, "model.n_classes": 3}
 def model_config(overrides: dict):
     cfg = Config.load(overrides={"model.preset": "custom", "parallel.nproc": "1", **{k: str(v) for k, v in
                                                                                       overrides.items()}})
-    return cfg.resolve(tokenizer_vocab=257).model
+    return resolve(cfg, tokenizer_vocab=257).model
 
 
 def random_model(flavor: str, seed: int = 0) -> Transformer:
@@ -120,8 +121,8 @@ def _transformers_directory(flavor: str, path: Path) -> Path:
 
 
 def _imported_config(path: Path, **extra):
-    return Config.load(overrides={"model.init_from": f"hf:{path}", "parallel.nproc": "1", **extra}).resolve(
-        tokenizer_vocab=257).model
+    cfg = Config.load(overrides={"model.init_from": f"hf:{path}", "parallel.nproc": "1", **extra})
+    return resolve(cfg, tokenizer_vocab=257).model
 
 
 @pytest.mark.parametrize("flavor", ["gpt2", "llama", "bert"])
@@ -155,9 +156,9 @@ def test_unsupported_or_mismatched_directories_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"^model.init_from='hf:.*model_type='t5' .* is not supported; use a "):
         _imported_config(bert)
     with pytest.raises(ConfigError, match=r"^model.init_from='gpt2': not a source we read; use 'hf:PATH'"):
-        Config.load(overrides={"model.init_from": "gpt2"}).resolve(tokenizer_vocab=257)
+        resolve(Config.load(overrides={"model.init_from": "gpt2"}), tokenizer_vocab=257)
     with pytest.raises(ConfigError, match=r"^model.n_layers=3 but model.init_from=.* has 2; remove model.n_layers"):
-        Config.load(overrides={"model.init_from": f"hf:{src}", "model.n_layers": "3"}).resolve(tokenizer_vocab=257)
+        resolve(Config.load(overrides={"model.init_from": f"hf:{src}", "model.n_layers": "3"}), tokenizer_vocab=257)
 
     m = _imported_config(src)
     tensors = load_file(src / "model.safetensors")

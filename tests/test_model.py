@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.config import Config
+from shardwise.config_resolve import resolve
 from shardwise.model import Transformer, generate
 
 VOCAB = 257
@@ -16,7 +17,7 @@ VOCAB = 257
 
 def model_cfg(preset: str = "tiny", **fields):
     overrides = {"model.preset": preset, **{f"model.{k}": v for k, v in fields.items()}}
-    return Config.load(overrides=overrides).resolve(tokenizer_vocab=VOCAB).model
+    return resolve(Config.load(overrides=overrides), tokenizer_vocab=VOCAB).model
 
 
 def tokens(b: int = 2, t: int = 16, seed: int = 0) -> torch.Tensor:
@@ -203,7 +204,7 @@ def test_num_parameters_formula():
 
 
 def test_gpt2_124m_parameter_count_on_meta():
-    cfg = Config.load(overrides={"model.preset": "gpt2-124m"}).resolve().model
+    cfg = resolve(Config.load(overrides={"model.preset": "gpt2-124m"})).model
     with torch.device("meta"):
         model = Transformer(cfg)
     assert model.num_parameters() == 124_439_808

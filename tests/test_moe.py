@@ -93,11 +93,12 @@ def test_mixtral_shaped_preset_has_the_published_parameter_counts():
 def test_planner_counts_equal_the_built_model():
     """The planner's exact count (moe_every, shared experts, gpt2 biases) equals the model's parameters."""
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
     from shardwise.model import Transformer
     from shardwise.plan.params import count_params
 
     over = {"model.preset": "tiny-moe", "model.moe_every": "2", "model.moe_shared": "1", "parallel.nproc": "1"}
-    cfg = Config.load(overrides=over).resolve(tokenizer_vocab=257)
+    cfg = resolve(Config.load(overrides=over), tokenizer_vocab=257)
     assert count_params(_spec(**over)).total == Transformer(cfg.model).num_parameters()
 
 

@@ -48,9 +48,10 @@ SEQ = 8
 
 def _cfg(n_layers: int = 4, preset: str = "tiny"):
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
 
-    return Config.load(overrides={"model.preset": preset, "model.n_layers": str(n_layers)}).resolve(
-        tokenizer_vocab=257).model
+    cfg = Config.load(overrides={"model.preset": preset, "model.n_layers": str(n_layers)})
+    return resolve(cfg, tokenizer_vocab=257).model
 
 
 def _cases(p: int) -> list[tuple[str, int, int]]:
@@ -247,7 +248,7 @@ def _zb_against_1f1b(pp: int, m: int, recompute: bool, autocast: bool) -> dict:
     nn.Linear gradient bit-equal, the rest within ATOL; ZB-H1 keeps <= p micro-batches live."""
     from torch import nn
 
-    from shardwise.train.recompute import checkpoint_module
+    from shardwise.parallel.recompute import checkpoint_module
 
     cfg, seed = _cfg(4), 5
     gen = torch.Generator().manual_seed(77)

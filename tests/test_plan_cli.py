@@ -8,6 +8,7 @@ import pytest
 
 from shardwise.cli import main as shardwise_main
 from shardwise.config import Config, ConfigError
+from shardwise.config_resolve import resolve
 from shardwise.plan.cli import main
 
 
@@ -75,7 +76,7 @@ def test_through_shardwise_cli(capsys):
 
 def test_compare(capsys, tmp_path):
     cfg = Config.load(overrides={"model.preset": "tiny", "parallel.nproc": "2", "train.global_batch": "8"})
-    resolved = cfg.resolve(tokenizer_vocab=257)
+    resolved = resolve(cfg, tokenizer_vocab=257)
     (tmp_path / "config.toml").write_text(resolved.to_toml())
     records = [{"step": i, "loss": 3.0, "tokens_per_s": 1000.0 + i, "step_time_s": 0.5, "mfu": 0.01,
                 "comm_bytes": 4.0 * 109_000} for i in (1, 2, 3)]
@@ -119,13 +120,13 @@ def test_a_shape_without_a_preset_is_custom_and_takes_data_seq_len(capsys):
     rc, out, _ = run(capsys, ["--gpu", "A100", "--nodes", "16", "--top", "1", "--json"], dict(shape))
     doc = json.loads(out)
     assert doc["model"]["preset"] == "custom" and doc["model"]["max_seq_len"] == doc["seq_len"] == 2048
-    resolved = Config.load(overrides=shape).resolve(world_size=1, tokenizer_vocab=257)
+    resolved = resolve(Config.load(overrides=shape), world_size=1, tokenizer_vocab=257)
     assert (resolved.model.preset, resolved.model.flavor, resolved.model.max_seq_len) == ("custom", "gpt2", 2048)
     # a resolved config read back stays as it is; the default preset alone, or one field changed, is cpu-demo
-    again = Config.from_dict(resolved.to_dict()).resolve(world_size=1, tokenizer_vocab=257)
+    again = resolve(Config.from_dict(resolved.to_dict()), world_size=1, tokenizer_vocab=257)
     assert (again.model.preset, again.model.max_seq_len) == ("custom", 2048)
     for overrides in ({}, {"model.d_model": "512"}):
-        cfg = Config.load(overrides=overrides).resolve(world_size=1, tokenizer_vocab=257)
+        cfg = resolve(Config.load(overrides=overrides), world_size=1, tokenizer_vocab=257)
         assert (cfg.model.preset, cfg.model.max_seq_len) == ("cpu-demo", 128)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shardwise.config import Config
+from shardwise.config_resolve import resolve
 from shardwise.model.transformer import Transformer
 from shardwise.plan.memory import STATE_CONVENTIONS, activation_mode, memory_breakdown
 from shardwise.plan.spec import Layout, model_spec
@@ -36,7 +37,7 @@ def saved_tensor_bytes(model: Transformer, tokens: torch.Tensor, precision: str)
 @pytest.mark.parametrize("preset", ["cpu-demo", "tiny-llama"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_activation_bytes_within_10_percent(preset, precision):
-    cfg = Config.load(overrides={"model.preset": preset}).resolve(world_size=1, tokenizer_vocab=257)
+    cfg = resolve(Config.load(overrides={"model.preset": preset}), world_size=1, tokenizer_vocab=257)
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     b, s = 2, cfg.data.seq_len
@@ -51,7 +52,7 @@ def test_activation_bytes_within_10_percent(preset, precision):
 
 def test_model_state_bytes_equal_the_trainers_tensors():
     """fp32 weights and gradients and AdamW's two fp32 moments: exactly the tensors the trainer holds."""
-    cfg = Config.load(overrides={"model.preset": "tiny-llama"}).resolve(world_size=1, tokenizer_vocab=257)
+    cfg = resolve(Config.load(overrides={"model.preset": "tiny-llama"}), world_size=1, tokenizer_vocab=257)
     model = Transformer(cfg.model)
     model(torch.randint(0, 257, (1, 8)), torch.randint(0, 257, (1, 8))).backward()
     opt = torch.optim.AdamW(model.parameters())
@@ -148,7 +149,7 @@ def test_planner_layer_bytes_equal_our_block_in_bf16(h, a, s, b):
 
     cfg = Config.load(overrides={"model.preset": "cpu-demo", "model.d_model": str(h), "model.n_heads": str(a),
                                  "model.max_seq_len": str(s), "data.seq_len": str(s)})
-    cfg = cfg.resolve(world_size=1, tokenizer_vocab=257)
+    cfg = resolve(cfg, world_size=1, tokenizer_vocab=257)
     block = Block(cfg.model, 0).to(torch.bfloat16).train()
     measured = _saved_bytes(block, torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True))
     predicted = activation_bytes_per_layer(model_spec(cfg), s, b, attention="flash", mode="16bit")
@@ -208,8 +209,8 @@ def zero_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plan-zero")
     out = {}
     for world in (2, 4):
-        cfgs = [_odd_config(tmp / f"direct{world}", tmp / "cache", world, **{"parallel.zero": st}).resolve(
-            world_size=world, tokenizer_vocab=257) for st, _, _, _ in CASES]
+        cfgs = [resolve(_odd_config(tmp / f"direct{world}", tmp / "cache", world, **{"parallel.zero": st}),
+                        world_size=world, tokenizer_vocab=257) for st, _, _, _ in CASES]
         runs = [(_odd_config(tmp / f"z{st}h{h}_w{world}", tmp / "cache", world,
                              **{"parallel.zero": st, "parallel.zero_hpz": h}), str(tmp / f"z{st}h{h}_w{world}"))
                 for st, h in TRAINED[world]]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shardwise.config import Config, ConfigError
+from shardwise.config_resolve import resolve
 from shardwise.model.transformer import Transformer
 from shardwise.plan.flops import flops_per_token, matmul_params
 from shardwise.plan.params import count_params
@@ -23,7 +24,7 @@ def test_param_count_equals_transformer(preset):
     assert counts.total == model.num_parameters()
     assert counts.non_embedding == model.num_parameters(exclude_embeddings=True)
     # the planner resolves the model as the trainer does
-    trainer = cfg.resolve(world_size=1, tokenizer_vocab=257).model
+    trainer = resolve(cfg, world_size=1, tokenizer_vocab=257).model
     for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len", "tie_embeddings"):
         assert getattr(spec, key) == getattr(trainer, key), key
 
@@ -32,7 +33,7 @@ def test_planner_accepts_layouts_the_trainer_rejects():
     cfg = Config.load(overrides={"model.preset": "gpt3-175b", "parallel.tp": "8", "parallel.pp": "8",
                                  "parallel.zero": "2"})
     with pytest.raises(ConfigError):
-        cfg.resolve(world_size=64)
+        resolve(cfg, world_size=64)
     assert model_spec(cfg).n_layers == 96
 
 
@@ -48,7 +49,7 @@ def test_moe_counts():
 
 @pytest.mark.parametrize("preset", ["cpu-demo", "tiny-llama"])
 def test_trainer_flops_come_from_the_planner(preset):
-    cfg = Config.load(overrides={"model.preset": preset}).resolve(world_size=1, tokenizer_vocab=257)
+    cfg = resolve(Config.load(overrides={"model.preset": preset}), world_size=1, tokenizer_vocab=257)
     spec = model_spec(cfg)
     fpt = training_flops_per_token(cfg.model, cfg.data.seq_len)
     assert fpt == flops_per_token(spec, cfg.data.seq_len)

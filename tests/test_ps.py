@@ -22,7 +22,7 @@ STEPS = {"train.steps": 6, "train.eval_batches": 1}
 def _train(cfg, run_dir: str, stop_after=None):
     import torch.distributed as dist
 
-    from shardwise.train.loop import train
+    from shardwise.worker import train
 
     result = train(cfg, Path(run_dir), collect_state=True, stop_after=stop_after)
     return (result.losses, result.state_dict) if dist.get_rank() == 0 else None
@@ -214,7 +214,7 @@ def _train_with_a_failure(cfg, run_dir: str, fail_rank: int, at_clock: int):
 
     from shardwise.ps.server import Server
     from shardwise.ps.worker import Worker
-    from shardwise.train.loop import train
+    from shardwise.worker import train
 
     cls, name = (Server, "_step") if fail_rank >= cfg.parallel.dp else (Worker, "step")
     original = getattr(cls, name)

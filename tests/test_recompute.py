@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from shardwise.config import Config
+from shardwise.config_resolve import resolve
 from shardwise.model import Transformer
-from shardwise.train.recompute import apply_recompute
+from shardwise.parallel.recompute import apply_recompute
 from tests.test_plan_measured import saved_tensor_bytes
 
 
@@ -27,7 +28,7 @@ def test_selective_keeps_less_than_none_and_more_than_full(preset):
     """Korthikanti et al. 2022 §5: recomputing only the attention core drops its activations (with
     dropout the core keeps its mask and probabilities, quadratic in T); full recomputation keeps only
     block inputs. Gradients are equal in all three (dropout masks replayed)."""
-    cfg = Config.load(overrides={"model.preset": preset, "model.dropout": "0.1"}).resolve(world_size=1,
+    cfg = resolve(Config.load(overrides={"model.preset": preset, "model.dropout": "0.1"}), world_size=1,
                                                                                          tokenizer_vocab=257)
     base = Transformer(cfg.model)
     base.reset_parameters(3)
@@ -46,7 +47,7 @@ def test_selective_keeps_less_than_none_and_more_than_full(preset):
 
 
 def test_full_every_k_checkpoints_the_same_blocks_in_any_part():
-    cfg = Config.load(overrides={"model.preset": "tiny", "model.n_layers": "5"}).resolve(world_size=1,
+    cfg = resolve(Config.load(overrides={"model.preset": "tiny", "model.n_layers": "5"}), world_size=1,
                                                                                         tokenizer_vocab=257)
     assert apply_recompute(Transformer(cfg.model), "full", every=2) == [0, 2, 4]
     with pytest.raises(ValueError, match="train.recompute='some'"):

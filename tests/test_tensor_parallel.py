@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise.config import Config
+from shardwise.config_resolve import resolve
 from shardwise.dist.comm.counting import CommStats
 from shardwise.model import Transformer
 from tests.harness import run_on_ranks
@@ -35,7 +36,7 @@ STEP_ATOL = 5e-4
 
 def model_cfg(preset: str, **fields):
     overrides = {"model.preset": preset, **{f"model.{k}": str(v) for k, v in fields.items()}}
-    return Config.load(overrides=overrides).resolve(tokenizer_vocab=VOCAB).model
+    return resolve(Config.load(overrides=overrides), tokenizer_vocab=VOCAB).model
 
 
 def batch(b: int = 2, t: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +91,7 @@ def _max_diffs(model, ref, what: str, atol: float = GRAD_ATOL, rtol: float = GRA
 
 
 def _equivalence(preset: str, fields: dict, sequence_parallel: bool, steps: int = 0) -> dict:
-    from shardwise.parallel.plan import apply_tensor_parallel
+    from shardwise.parallel.tensor.plan import apply_tensor_parallel
 
     torch.manual_seed(0)
     cfg = model_cfg(preset, **fields)
@@ -127,7 +128,7 @@ def _equivalence(preset: str, fields: dict, sequence_parallel: bool, steps: int 
 
 
 def _counting(preset: str, fields: dict, sequence_parallel: bool) -> dict:
-    from shardwise.parallel.plan import apply_tensor_parallel
+    from shardwise.parallel.tensor.plan import apply_tensor_parallel
 
     cfg = model_cfg(preset, **fields)
     model = build(cfg)
@@ -148,8 +149,8 @@ def _counting(preset: str, fields: dict, sequence_parallel: bool) -> dict:
 
 
 def _vocab_ce(n_tokens: int, vocab: int) -> dict:
-    from shardwise.parallel.loss import vocab_parallel_cross_entropy
-    from shardwise.parallel.tensor import padded_rows
+    from shardwise.parallel.tensor.layers import padded_rows
+    from shardwise.parallel.tensor.loss import vocab_parallel_cross_entropy
 
     tp, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(7)
@@ -245,7 +246,7 @@ def _dtensor_block(preset: str, fields: dict, sequence_parallel: bool) -> dict:
         parallelize_module,
     )
 
-    from shardwise.parallel.plan import apply_tensor_parallel, block_plan
+    from shardwise.parallel.tensor.plan import apply_tensor_parallel, block_plan
 
     tp, rank = dist.get_world_size(), dist.get_rank()
     cfg = model_cfg(preset, **fields)
@@ -377,7 +378,7 @@ def test_block_matches_torch_dtensor_tp(world, preset, sp):
 
 def _reset_and_logits(preset: str) -> None:
     from shardwise.dist.functional import gather_last_dim
-    from shardwise.parallel.plan import apply_tensor_parallel, reset_parameters
+    from shardwise.parallel.tensor.plan import apply_tensor_parallel, reset_parameters
 
     cfg = model_cfg(preset)
     ref, model = build(cfg, seed=5), build(cfg, seed=1)
@@ -399,7 +400,7 @@ def test_reset_parameters_and_logits(preset):
 
 
 def _bf16_autocast(preset: str, sequence_parallel: bool) -> dict:
-    from shardwise.parallel.plan import apply_tensor_parallel
+    from shardwise.parallel.tensor.plan import apply_tensor_parallel
 
     cfg = model_cfg(preset)
     ref, model = build(cfg), build(cfg)
@@ -421,7 +422,7 @@ def test_bf16_autocast_runs(preset, sp):
 
 
 def _invalid(preset: str, fields: dict) -> str:
-    from shardwise.parallel.plan import apply_tensor_parallel
+    from shardwise.parallel.tensor.plan import apply_tensor_parallel
 
     model = build(model_cfg(preset, **fields))
     try:

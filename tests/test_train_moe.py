@@ -145,7 +145,7 @@ def _experts_on_two_ranks(counts: list[int]):
     import torch.distributed as dist
 
     from shardwise.model.moe import Experts
-    from shardwise.parallel.expert import ExpertParallel
+    from shardwise.parallel.expert.dispatch import ExpertParallel
 
     torch.manual_seed(0)
     full = Experts(4, 8, 16, "gpt2")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shardwise.config import Config, ConfigError
+from shardwise.config_resolve import resolve
 from tests.test_train import assert_same_training, run
 
 LAYERS = {"model.n_layers": 4, "train.steps": 6}
@@ -123,12 +124,12 @@ def test_bad_pipeline_configs_fail_before_spawning(overrides, message):
     base = {"model.preset": "tiny", "model.n_layers": 4, "parallel.nproc": 2, "train.global_batch": 8}
     base.update(overrides)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("*", r"\*")):
-        Config.load(overrides={k: str(v) for k, v in base.items()}).resolve(tokenizer_vocab=256)
+        resolve(Config.load(overrides={k: str(v) for k, v in base.items()}), tokenizer_vocab=256)
 
 
 def test_default_microbatches():
-    cfg = Config.load(overrides={"model.preset": "tiny", "model.n_layers": "4", "parallel.nproc": "4",
-                                 "parallel.pp": "2", "train.global_batch": "16"}).resolve(tokenizer_vocab=256)
+    cfg = resolve(Config.load(overrides={"model.preset": "tiny", "model.n_layers": "4", "parallel.nproc": "4",
+                                 "parallel.pp": "2", "train.global_batch": "16"}), tokenizer_vocab=256)
     assert (cfg.parallel.dp, cfg.parallel.microbatches, cfg.train.micro_batch) == (2, 8, 1)  # 4p divides 8
 
 

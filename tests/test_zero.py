@@ -40,6 +40,7 @@ def _formula_check(stage_list):
     import torch.distributed as dist
 
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
     from shardwise.model import Transformer
     from shardwise.parallel.data import DataParallel
     from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
@@ -49,7 +50,7 @@ def _formula_check(stage_list):
     out = {}
     for stage in stage_list:
         torch.manual_seed(0)
-        cfg = Config.load(overrides={"model.preset": "tiny"}).resolve(world_size=n, tokenizer_vocab=256)
+        cfg = resolve(Config.load(overrides={"model.preset": "tiny"}), world_size=n, tokenizer_vocab=256)
         model = Transformer(cfg.model)
         model.reset_parameters(0)
         extra = 0
@@ -247,6 +248,7 @@ def test_quantized_communication(two_ranks, name):
 ])
 def test_invalid_zero_settings_are_rejected(overrides, message):
     from shardwise.config import Config, ConfigError
+    from shardwise.config_resolve import resolve
 
     with pytest.raises(ConfigError, match=message):
-        Config.load(overrides={"model.preset": "tiny", **overrides}).resolve(world_size=2, tokenizer_vocab=256)
+        resolve(Config.load(overrides={"model.preset": "tiny", **overrides}), world_size=2, tokenizer_vocab=256)

@@ -17,9 +17,10 @@ from tests.harness import run_on_ranks
 
 def _tiny_model():
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
     from shardwise.model import Transformer
 
-    cfg = Config.load(overrides={"model.preset": "tiny"}).resolve(world_size=2, tokenizer_vocab=256)
+    cfg = resolve(Config.load(overrides={"model.preset": "tiny"}), world_size=2, tokenizer_vocab=256)
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     model.reset_parameters(0)

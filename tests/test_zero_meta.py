@@ -28,10 +28,11 @@ WORLD = 4
 
 def _config(world: int, **overrides):
     from shardwise.config import Config
+    from shardwise.config_resolve import resolve
 
     base = {"model.preset": "tiny", "parallel.zero": "3", "train.seed": "7"}
     base.update({k: str(v) for k, v in overrides.items()})
-    return Config.load(overrides=base).resolve(world_size=world, tokenizer_vocab=256)
+    return resolve(Config.load(overrides=base), world_size=world, tokenizer_vocab=256)
 
 
 def _zero_engine(cfg, run_dir: str):

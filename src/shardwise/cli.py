@@ -12,6 +12,7 @@ import traceback
 from pathlib import Path
 
 from shardwise.config import Config, ConfigError
+from shardwise.config_resolve import resolve
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -188,7 +189,7 @@ def cmd_plot(args, _overrides) -> int:
 
 def cmd_config(args, overrides: dict[str, str]) -> int:
     cfg = Config.load(args.config, overrides)
-    print(cfg.resolve().to_toml(), end="")
+    print(resolve(cfg).to_toml(), end="")
     return 0
 
 

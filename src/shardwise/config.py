@@ -1,10 +1,11 @@
 """One tree of dataclasses holding every setting of a run.
 
 Every field can be set from a TOML file (``[train] lr = 3e-4``) and overridden on the
-command line by its dotted name (``--train.lr 3e-4``). ``Config.resolve()`` fills the
-derived fields (preset sizes, batch arithmetic, data-parallel size) and validates the
-whole tree before any worker process starts (the rules live in :mod:`shardwise.config_resolve`);
-an invalid value raises ``ConfigError`` naming the field, the value and what would be valid.
+command line by its dotted name (``--train.lr 3e-4``). :func:`shardwise.config_resolve.resolve`
+fills the derived fields (preset sizes, batch arithmetic, data-parallel size) and validates the
+whole tree before any worker process starts (each technique's rules live beside it, in its
+``checks.py``); an invalid value raises ``ConfigError`` naming the field, the value and what would
+be valid. This module imports nothing of the package but the preset names.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class ConfigError(ValueError):
     """A config value is invalid. The message is one line, fit to show a user."""
 
 
-# ---- the values of choice-valued fields (config_resolve validates with CHOICES; tests walk it) -------
+# ---- the values of choice-valued fields (the checks validate with CHOICES; tests walk it) -----------
 
 FLAVORS = ("gpt2", "llama", "bert")
 OBJECTIVES = ("causal", "mlm", "classify")
@@ -433,22 +434,6 @@ class Config:
 
         tree = {s: {k: v for k, v in vals.items() if v is not None} for s, vals in self.to_dict().items()}
         return tomli_w.dumps(tree)
-
-    # ---- resolution and validation ------------------------------------------------------
-
-    def resolve(self, world_size: int | None = None, tokenizer_vocab: int | None = None) -> Config:
-        """Return a copy with every derived field filled in, or raise ConfigError.
-
-        ``world_size`` defaults to ``parallel.nproc * parallel.nnodes``; ``tokenizer_vocab``
-        (when known) fills ``model.vocab_size`` and is checked against it.
-        """
-        from shardwise.config_resolve import resolve_config
-
-        cfg = dataclasses.replace(
-            self, **{f.name: dataclasses.replace(getattr(self, f.name)) for f in dataclasses.fields(self)}
-        )
-        resolve_config(cfg, world_size, tokenizer_vocab)
-        return cfg
 
 
 # ---- value parsing -------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from shardwise.config import Config
+from shardwise.config_resolve import resolve
 
 
 def load_trained_model(run_dir: Path, checkpoint: Path | None = None):
@@ -19,7 +20,7 @@ def load_trained_model(run_dir: Path, checkpoint: Path | None = None):
     config_file = run_dir / "config.toml"
     if not config_file.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.toml)")
-    cfg = Config.load(config_file).resolve()  # the saved layout; only the model section is used here
+    cfg = resolve(Config.load(config_file))  # the saved layout; only the model section is used here
     path = checkpoint or latest_valid_checkpoint(run_dir / "checkpoints")
     if path is None:
         raise FileNotFoundError(f"{run_dir} has no valid checkpoint under checkpoints/")

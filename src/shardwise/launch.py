@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 from shardwise.config import Config, ConfigError
+from shardwise.config_resolve import resolve
 
 
 class WorkerFailed(RuntimeError):
@@ -84,10 +85,10 @@ def prepare_run(cfg: Config, world_size: int | None = None) -> tuple[Config, Pat
     """Validate ``cfg``, tokenize its corpus (cached) and write the resolved config into the run dir."""
     from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus
 
-    checked = cfg.resolve(world_size=world_size)  # fail fast, before any tokenization
+    checked = resolve(cfg, world_size=world_size)  # fail fast, before any tokenization
     run_dir = resolve_run_dir(checked)
     corpus = prepare_corpus(checked.data, None)
-    resolved = cfg.resolve(world_size=world_size, tokenizer_vocab=corpus.vocab_size)
+    resolved = resolve(cfg, world_size=world_size, tokenizer_vocab=corpus.vocab_size)
     # The corpus must hold at least one global batch of windows: checked here, not in every worker.
     windows = TokenWindows(corpus.train_path, resolved.data.seq_len)
     DistributedWindowSampler(len(windows), resolved.train.global_batch, resolved.train.seed)
@@ -111,7 +112,7 @@ def launch(cfg: Config, debug: bool = False) -> Path:
     nproc = resolved.parallel.nproc
     try:
         if nproc == 1 and p.nnodes == 1 and not cfg.run.max_restarts:  # one in-process worker
-            from shardwise.train.loop import train
+            from shardwise.worker import train
 
             train(resolved, run_dir)
         else:
@@ -181,8 +182,8 @@ def worker_entry(cfg_tree: dict, run_dir: str) -> None:
 
     from shardwise.dist.diagnose import diagnosed, run_dir_recorder
     from shardwise.dist.mesh import shutdown_distributed
-    from shardwise.train.loop import train
     from shardwise.train.recovery import give_up, repeated_failure
+    from shardwise.worker import train
 
     def run() -> None:
         cause = repeated_failure(Path(run_dir))

@@ -29,7 +29,7 @@ Auxiliary losses, added to the training loss by the model (``Transformer.forward
 Experts compute *expert-major*: the kept slots are sorted by expert, each expert runs one matmul on
 its contiguous run of tokens (:meth:`Experts.forward` takes the tokens and the count per expert), and
 the outputs are scattered back weighted by the gates (:func:`combine`). Expert parallelism replaces
-``Experts`` from outside (:mod:`shardwise.parallel.expert`) by one that moves the runs by all-to-all.
+``Experts`` from outside (:mod:`shardwise.parallel.expert.dispatch`) by one that moves the runs by all-to-all.
 
 Expert weights are stacked ``[E, out, in]`` tensors (``experts.fc_in.weight``...), initialised from
 (seed, name, full shape) like every parameter, so a rank holding experts ``a..b`` slices them.

@@ -110,7 +110,7 @@ class Transformer(nn.Module):
         super().__init__()
         missing = [k for k in _REQUIRED if getattr(cfg, k) is None]
         if missing:
-            raise ValueError(f"ModelConfig fields {missing} are unset; pass Config.resolve(...).model")
+            raise ValueError(f"ModelConfig fields {missing} are unset; pass config_resolve.resolve(cfg).model")
         if cfg.flavor not in ("gpt2", "llama", "bert"):
             raise ValueError(f"model.flavor={cfg.flavor!r} is not valid; use 'gpt2', 'llama' or 'bert'")
         self.cfg = cfg

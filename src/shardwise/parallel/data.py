@@ -169,7 +169,7 @@ class DataParallel(nn.Module):
             algorithm overlaps backward; default: for every fn that does not return the backend's
             asynchronous handle (the native all-reduce, or a fn whose ``asynchronous`` is true).
         expert_group: with expert parallelism, the ranks holding the same experts (mesh axis ``edp``):
-            parameters marked ``p.ep_shard`` (:mod:`shardwise.parallel.expert`) are bucketed apart,
+            parameters marked ``p.ep_shard`` (:mod:`shardwise.parallel.expert.dispatch`) are bucketed apart,
             broadcast and summed over it, and divided by the size of ``group`` like every gradient (each
             expert's gradient already holds the tokens of its whole ep group).
     """

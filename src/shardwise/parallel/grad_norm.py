@@ -6,10 +6,10 @@ spreads it. Each piece a rank holds is counted exactly once, from its parameter'
 groups the caller names (Megatron-LM's ``clip_grad_norm`` does the same over its model-parallel group;
 nanotron keys it on each parameter's ShardedInfo):
 
-* a tensor-parallel split (``p.tp_shard.dim`` set, :mod:`shardwise.parallel.tensor`): its squares are
+* a tensor-parallel split (``p.tp_shard.dim`` set, :mod:`shardwise.parallel.tensor.layers`): its squares are
   summed over ``tp_group``; a rank that holds a replica it does not own leaves it out;
 * a full copy on every tensor-parallel rank (``dim`` None, or no tensor parallelism): counted locally;
-* an expert-parallel shard (``p.ep_shard``, :mod:`shardwise.parallel.expert`): this rank's experts;
+* an expert-parallel shard (``p.ep_shard``, :mod:`shardwise.parallel.expert.dispatch`): this rank's experts;
   their squares are summed over ``ep_group``;
 * a ZeRO shard's slice: summed over ``shard_group`` (the data-parallel group the shards split);
 * a pipeline stage's: summed over ``pp_group``; a weight tied between two stages is counted by one

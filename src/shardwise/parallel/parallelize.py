@@ -5,13 +5,13 @@ for Llama does the same; DESIGN.md "How layouts compose"):
 
 1. tensor / sequence parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022 §4.2.2): the block's
    Linears and the embeddings become their parallel forms over the ``tp`` axis
-   (:func:`shardwise.parallel.plan.apply_tensor_parallel`);
+   (:func:`shardwise.parallel.tensor.plan.apply_tensor_parallel`);
 2. context parallelism (Liu et al. 2023; Jacobs et al. 2023): every attention core runs over the ``cp``
    axis, positions and the loss follow the rank's share of the sequence
    (:func:`shardwise.parallel.context.apply_context_parallel`); expert parallelism over the ``ep`` axis
    (GShard, Lepikhin et al. 2021): each MoE block keeps its share of the experts and reaches them by
-   all-to-all (:func:`shardwise.parallel.expert.apply_expert_parallel`);
-3. activation recomputation, full or selective (:mod:`shardwise.train.recompute`), around what the
+   all-to-all (:func:`shardwise.parallel.expert.dispatch.apply_expert_parallel`);
+3. activation recomputation, full or selective (:mod:`shardwise.parallel.recompute`), around what the
    previous steps produced;
 4. ``torch.compile`` of each block (``train.compile``, :mod:`shardwise.parallel.compile`);
 
@@ -28,9 +28,9 @@ from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import Mesh
 from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.context import apply_context_parallel
-from shardwise.parallel.expert import all_to_all_algorithm, apply_expert_parallel
-from shardwise.parallel.plan import apply_tensor_parallel
-from shardwise.train.recompute import apply_recompute
+from shardwise.parallel.expert.dispatch import all_to_all_algorithm, apply_expert_parallel
+from shardwise.parallel.recompute import apply_recompute
+from shardwise.parallel.tensor.plan import apply_tensor_parallel
 
 
 def parallelize(part: nn.Module, mesh: Mesh, cfg, ledger: CommLedger) -> nn.Module:

@@ -102,7 +102,7 @@ def _rank0_blocks(cfg: Config) -> set[int]:
     p = cfg.parallel
     if p.pp == 1:
         return set(range(cfg.model.n_layers))
-    from shardwise.config_resolve import pipeline_partition
+    from shardwise.parallel.pipeline.checks import pipeline_partition
     from shardwise.parallel.pipeline.partition import partition
 
     method, boundaries = pipeline_partition(p.pp_partition)
@@ -129,8 +129,8 @@ def tp_grad_sync_bytes(m, lay: Layout) -> float:
     pass (micro-batch), fp32: with sequence parallelism every parameter the plan leaves whole (norms,
     row-parallel biases, the position table) has a partial gradient summed over tp (Korthikanti et al.
     2022 §4.2.2); where tp > n_kv_heads the replicated key/value projections' gradients are summed at their
-    full size. Which modules are split is the plan's table (:data:`shardwise.parallel.plan.PLANS`)."""
-    from shardwise.parallel.plan import PLANS, style_of
+    full size. Which modules are split is the plan's table (:data:`shardwise.parallel.tensor.plan.PLANS`)."""
+    from shardwise.parallel.tensor.plan import PLANS, style_of
 
     if lay.tp == 1:
         return 0.0

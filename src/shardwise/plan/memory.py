@@ -173,7 +173,7 @@ def params_per_rank(m: ModelSpec, lay: Layout) -> tuple[float, float]:
     attn = (attention_params(m) - attn_bias_rep) / t + attn_bias_rep
     dense_mlp_bias_rep = h if m.flavor in ("gpt2", "bert") else 0
     mlp = (mlp_params(m) - dense_mlp_bias_rep) / t + dense_mlp_bias_rep
-    # an MoE block (router, experts, shared experts) stays whole on every tp rank (shardwise.parallel.plan);
+    # an MoE block (router, experts, shared experts) stays whole on every tp rank (shardwise.parallel.tensor.plan);
     # its experts split over ep
     moe_share = (m.n_layers // m.moe_every) / m.n_layers if m.n_experts else 0.0  # MoE blocks per block
     experts = moe_share * m.n_experts * mlp_params(m) / lay.ep

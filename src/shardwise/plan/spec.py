@@ -1,6 +1,6 @@
 """The planner's view of a config: a resolved model shape and a (possibly open) layout.
 
-``Config.resolve()`` is the trainer's gate and rejects layouts the trainer cannot run yet
+:func:`shardwise.config_resolve.resolve` is the trainer's gate and rejects layouts the trainer cannot run yet
 (tp/pp/cp/ep != 1, ZeRO, offload). The planner must reason about every layout, so it has its own
 resolution path: it reuses the config dataclasses and the preset logic of
 :func:`shardwise.config_resolve.resolve_model`, and checks only what the arithmetic needs.

@@ -26,16 +26,17 @@ from shardwise.config import Config
 from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus, val_indices
 from shardwise.dist.mesh import init_distributed
 from shardwise.model import Transformer
+from shardwise.parallel.tensor import state as tp_state
 from shardwise.ps import protocol
 from shardwise.ps.partition import partition_model
 from shardwise.ps.server import Server
 from shardwise.ps.worker import Worker
 from shardwise.train import state as train_state
-from shardwise.train import tp_state
 from shardwise.train.checkpoint import latest_valid_checkpoint
 from shardwise.train.metrics import MetricsLogger
 from shardwise.train.optim import build_optimizer, lr_at, set_lr
 from shardwise.train.precision import autocast_context
+from shardwise.train.result import TrainResult
 from shardwise.train.sharded import save_sharded, whole
 
 
@@ -58,7 +59,6 @@ def aliases(model: torch.nn.Module) -> dict[str, list[str]]:
 
 def run_ps(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: int | None = None):
     """Train ``cfg`` (resolved, ``ps.servers > 0``) on this rank; returns a :class:`TrainResult`."""
-    from shardwise.train.loop import TrainResult
 
     rank, world, _, _ = init_distributed("gloo", cfg.parallel.timeout_s)
     n_servers = cfg.ps.servers
@@ -214,7 +214,7 @@ def _evaluate(model, windows, tcfg, rank: int, n_workers: int, group) -> float |
 
 def _gather_state(model, server: Server | None, names: dict[str, list[str]], rank: int) -> dict[str, torch.Tensor]:
     """The whole model on rank 0: the servers' partitions written over worker 0's state (which brings the
-    buffers); a world collective (:func:`shardwise.train.tp_state.gather_pieces`)."""
+    buffers); a world collective (:func:`shardwise.parallel.tensor.state.gather_pieces`)."""
     mine = [p for p in server.checkpoint_pieces(names) if p.key.startswith("model/")] if server is not None else []
     if rank == 0:  # a worker: the servers are the last ranks, so their pieces land after these
         mine = [whole(f"model/{k}", v.detach()) for k, v in model.state_dict().items()] + mine

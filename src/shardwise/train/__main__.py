@@ -15,7 +15,8 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     from shardwise.cli import split_overrides
     from shardwise.config import Config, ConfigError
-    from shardwise.train.loop import train
+    from shardwise.config_resolve import resolve
+    from shardwise.worker import train
 
     rest, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     if "--resume" in rest:
@@ -39,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
             from shardwise.data import prepare_corpus
 
             run_dir = Path(cfg.run.dir)
-            checked = cfg.resolve(world_size=world)
-            resolved = cfg.resolve(world_size=world, tokenizer_vocab=prepare_corpus(checked.data, None).vocab_size)
+            checked = resolve(cfg, world_size=world)
+            resolved = resolve(cfg, world_size=world, tokenizer_vocab=prepare_corpus(checked.data, None).vocab_size)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

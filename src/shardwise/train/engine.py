@@ -32,7 +32,6 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import Config
-from shardwise.config_resolve import pipeline_partition
 from shardwise.dist.comm.compress import gradient_all_reduce
 from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import Mesh
@@ -40,15 +39,17 @@ from shardwise.model import Transformer
 from shardwise.model.transformer import initial_value
 from shardwise.parallel.context import pop_attention_work
 from shardwise.parallel.data import DataParallel
-from shardwise.parallel.expert import step_metrics as moe_step_metrics
+from shardwise.parallel.expert import state as expert_state
+from shardwise.parallel.expert.dispatch import step_metrics as moe_step_metrics
 from shardwise.parallel.grad_norm import clip_grad_norm
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import Pipeline, build_stage, partition
+from shardwise.parallel.pipeline.checks import pipeline_partition
 from shardwise.parallel.pipeline.clip import tied_copies_elsewhere
+from shardwise.parallel.tensor import state as tp_state
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces
 from shardwise.parallel.zero.meta import materialize_buffers
-from shardwise.train import expert_state, tp_state
 from shardwise.train import memory as train_memory
 from shardwise.train.checkpoint import CheckpointError
 from shardwise.train.optim import build_optimizer, decay_groups, optimizer_param_names

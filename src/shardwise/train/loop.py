@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,17 +32,8 @@ from shardwise.train.metrics import MetricsLogger, process_memory_bytes
 from shardwise.train.optim import lr_at, set_lr
 from shardwise.train.precision import DynamicLossScaler
 from shardwise.train.recovery import clean_partial_checkpoints, note_restart, resume_wanted
+from shardwise.train.result import TrainResult
 from shardwise.train.sharded import save_sharded
-
-
-@dataclass
-class TrainResult:
-    """What a finished run returns to its caller (tests compare these across layouts)."""
-
-    losses: list[float]
-    val_loss: float | None
-    final_step: int
-    state_dict: dict[str, torch.Tensor]
 
 
 def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: int | None = None) -> TrainResult:
@@ -54,9 +44,9 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     weights; ``stop_after`` ends the run after that optimizer step as an interruption would
     (the schedule still spans ``train.steps``), for resume tests.
     """
-    if cfg.ps.servers:  # parameter-server mode (shardwise.ps): workers and servers instead of an engine
-        from shardwise.ps.runner import run_ps
-        return run_ps(cfg, run_dir, collect_state, stop_after)
+    if cfg.ps.servers:
+        raise ValueError("ps.servers > 0 trains with the parameter server's runner; start it with "
+                         "shardwise.worker.train, which picks the runner")
     rank, world, _local_rank, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.run.device)
     dims = ParallelDims.from_config(cfg.parallel, world)
     mesh = dims.build(device.type)

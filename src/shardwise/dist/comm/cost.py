@@ -52,6 +52,7 @@ from .collectives import ALGORITHMS
 from .fit import calibration_sizes, fit_line, fit_regimes, relative_errors
 from .p2p import DEFAULT_CHUNK_BYTES, exchange, largest_pow2, make_comm
 from .twolevel import Levels, calibrate_levels, group_nodes, regular_node_size
+from .workload import run_collective
 
 __all__ = ["Cost", "CostModel", "calibrate", "calibration_sizes", "choose", "cost", "fit_line", "fit_regimes",
            "relative_errors", "total_bytes"]
@@ -398,7 +399,5 @@ def _fits(model: CostModel, collectives: tuple[str, ...], values: list[float], k
 
 
 def run_collective_native(collective: str, nbytes: int, group, n: int, device: torch.device | None = None):
-    """A closure running the backend's own ``collective`` on ``nbytes`` (see :func:`.bench.run_collective`)."""
-    from .bench import run_collective
-
+    """A closure running the backend's own ``collective`` on ``nbytes`` (see :func:`.workload.run_collective`)."""
     return run_collective(collective, "native", nbytes, group, n, device=device)

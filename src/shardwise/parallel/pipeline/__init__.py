@@ -12,6 +12,7 @@ Typical use on each rank of a pipeline (``stage_ranks`` = ``mesh.ranks("pp")``):
     loss = pipe.step(tokens, targets)                # grads accumulated; loss on the last stage only
 """
 
+from shardwise.parallel.pipeline.checks import SCHEDULES, check_pipeline, check_schedule
 from shardwise.parallel.pipeline.clip import clip_grad_norm, global_grad_norm
 from shardwise.parallel.pipeline.executor import Pipeline, split_microbatches
 from shardwise.parallel.pipeline.partition import (
@@ -24,10 +25,8 @@ from shardwise.parallel.pipeline.partition import (
     partition,
 )
 from shardwise.parallel.pipeline.schedules import (
-    SCHEDULES,
     Action,
     build_schedule,
-    check_schedule,
     compute_order,
     peak_live,
     simulate,
@@ -44,18 +43,6 @@ from shardwise.parallel.pipeline.timeline import (
     write_chrome_trace,
 )
 from shardwise.parallel.pipeline.zero_bubble import WeightGradStore, defer_linear_weight_grads
-
-
-def check_pipeline(n_layers: int, pp: int, schedule: str, microbatches: int, global_batch: int,
-                   virtual: int = 1) -> None:
-    """Every pipeline check that needs no processes: stages vs layers, the schedule vs the micro-batch
-    count, the batch vs the micro-batch count. Meant for config validation before spawning."""
-    even_split(n_layers, pp * virtual)
-    check_schedule(schedule, pp, microbatches, virtual)
-    if global_batch % microbatches:
-        raise ValueError(f"a batch of {global_batch} sequences does not split into parallel.microbatches="
-                         f"{microbatches} equal micro-batches; use a divisor of {global_batch}")
-
 
 __all__ = [
     "SCHEDULES", "Action", "Event", "Pipeline", "StageModule", "Timeline", "WeightGradStore", "balanced_split",

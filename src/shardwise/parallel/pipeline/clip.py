@@ -6,7 +6,7 @@ Shoeybi et al. 2019; the norm of Pascanu et al. 2013 §3.2). A weight tied betwe
 stage is held (with equal, already summed gradients) by both, so only the first stage's copy counts.
 Data-parallel replicas hold identical gradients after their all-reduce and are not summed over.
 With tensor parallelism inside the stages, the squares of the pieces a rank owns
-(``p.tp_shard``, :mod:`shardwise.parallel.tensor`) are first summed over the tensor-parallel group,
+(``p.tp_shard``, :mod:`shardwise.parallel.tensor.layers`) are first summed over the tensor-parallel group,
 and full copies are counted once.
 """
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from shardwise.dist.comm.counting import CommStats
 from shardwise.model.moe import moe_aux_loss, moe_layers
+from shardwise.parallel.pipeline.checks import check_schedule
 from shardwise.parallel.pipeline.schedules import (
     COMM,
     RECV_B,
@@ -43,7 +44,6 @@ from shardwise.parallel.pipeline.schedules import (
     F,
     W,
     build_schedule,
-    check_schedule,
 )
 from shardwise.parallel.pipeline.timeline import Event, Timeline
 from shardwise.parallel.pipeline.transfer import P2P, message_tag

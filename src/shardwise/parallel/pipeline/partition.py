@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from shardwise.model.moe import moe_aux_loss, moe_layers
+from shardwise.parallel.pipeline.checks import check_boundaries, check_manual, check_stages
 
 if TYPE_CHECKING:
     from shardwise.config import ModelConfig
@@ -31,18 +32,9 @@ if TYPE_CHECKING:
 METHODS = ("even", "params", "flops")
 
 
-def _check_stages(n_layers: int, n_stages: int) -> None:
-    if n_stages < 1:
-        raise ValueError(f"the number of pipeline stages must be >= 1, got {n_stages}")
-    if n_stages > n_layers:
-        raise ValueError(
-            f"{n_stages} pipeline stages (parallel.pp * parallel.pp_virtual) exceed model.n_layers={n_layers}; "
-            f"every stage needs at least one block: use at most {n_layers} stages")
-
-
 def even_split(n_layers: int, n_stages: int) -> list[range]:
     """Blocks per stage as equal as possible; the first ``n_layers % n_stages`` stages get one more."""
-    _check_stages(n_layers, n_stages)
+    check_stages(n_layers, n_stages)
     base, extra = divmod(n_layers, n_stages)
     out, start = [], 0
     for s in range(n_stages):
@@ -55,11 +47,7 @@ def even_split(n_layers: int, n_stages: int) -> list[range]:
 def manual_split(n_layers: int, boundaries: Sequence[int]) -> list[range]:
     """Stages from the first block index of every stage after the first (like ``split_spec`` in
     ``torch.distributed.pipelining``): ``boundaries=[1, 3]`` on 4 blocks gives ``[0], [1, 2], [3]``."""
-    b = list(boundaries)
-    _check_stages(n_layers, len(b) + 1)
-    edges = [0, *b, n_layers]
-    if any(lo >= hi for lo, hi in pairwise(edges)):
-        raise ValueError(f"pipeline split boundaries {b} must be strictly increasing within (0, {n_layers})")
+    edges = [0, *check_boundaries(n_layers, boundaries), n_layers]
     return [range(lo, hi) for lo, hi in pairwise(edges)]
 
 
@@ -69,7 +57,7 @@ def balanced_split(block_costs: Sequence[float], n_stages: int, first_extra: flo
     ``first_extra`` (embedding) and the last stage ``last_extra`` (head). Exact dynamic programme,
     O(n_layers^2 * n_stages); ties prefer earlier, longer stages."""
     n = len(block_costs)
-    _check_stages(n, n_stages)
+    check_stages(n, n_stages)
     prefix = [0.0]
     for c in block_costs:
         prefix.append(prefix[-1] + float(c))
@@ -131,16 +119,13 @@ def partition(cfg: ModelConfig, n_stages: int, method: str = "even", boundaries:
     """The blocks of every stage: ``method`` is ``"even"``, ``"params"``, ``"flops"``, or ``"manual"``
     (with ``boundaries``, see :func:`manual_split`)."""
     if boundaries is not None or method == "manual":
-        if boundaries is None:
-            raise ValueError("partition method 'manual' needs boundaries (the first block of stages 1..n-1)")
-        if len(boundaries) != n_stages - 1:
-            raise ValueError(f"{len(boundaries)} split boundaries give {len(boundaries) + 1} stages, not {n_stages}")
+        check_manual(cfg.n_layers, n_stages, boundaries)
         return manual_split(cfg.n_layers, boundaries)
     if method == "even":
         return even_split(cfg.n_layers, n_stages)
     if method not in METHODS:
         raise ValueError(f"partition method {method!r} is not valid; use one of {', '.join(METHODS)} or 'manual'")
-    _check_stages(cfg.n_layers, n_stages)
+    check_stages(cfg.n_layers, n_stages)
     blocks, first, last = layer_costs(cfg, method, seq_len)
     return balanced_split(blocks, n_stages, first, last)
 

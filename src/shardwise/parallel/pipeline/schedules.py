@@ -28,7 +28,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
+from shardwise.parallel.pipeline.checks import check_schedule
 
 F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "send_f", "recv_f", "send_b", "recv_b"
@@ -48,25 +48,6 @@ class Action:
     def __repr__(self) -> str:
         peer = "" if self.peer is None else f"@{self.peer}"
         return f"{self.kind}{self.chunk}.{self.mb}{peer}"
-
-
-def check_schedule(schedule: str, n_ranks: int, n_microbatches: int, n_chunks: int = 1) -> None:
-    """Raise ``ValueError`` naming the config field if ``schedule`` cannot run this shape."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"parallel.pp_schedule={schedule!r} is not valid; use one of {', '.join(SCHEDULES)}")
-    if n_microbatches < 1:
-        raise ValueError(f"parallel.microbatches={n_microbatches} must be >= 1")
-    if schedule == "naive" and n_microbatches != 1:
-        raise ValueError(f"parallel.microbatches={n_microbatches} cannot run with pp_schedule='naive', "
-                         "which passes the whole batch at once; use 1, or pp_schedule='gpipe'/'1f1b'")
-    if schedule == "interleaved":
-        if n_chunks < 2:
-            raise ValueError(f"parallel.pp_virtual={n_chunks} must be >= 2 for pp_schedule='interleaved'")
-        if n_microbatches % n_ranks:
-            raise ValueError(f"parallel.microbatches={n_microbatches} is not a multiple of parallel.pp={n_ranks}, "
-                             f"which pp_schedule='interleaved' needs; use {n_ranks}, {2 * n_ranks}, ...")
-    elif n_chunks != 1:
-        raise ValueError(f"parallel.pp_virtual={n_chunks} needs pp_schedule='interleaved' (got {schedule!r}); use 1")
 
 
 def compute_order(schedule: str, rank: int, n_ranks: int, n_microbatches: int, n_chunks: int = 1) -> list[Action]:

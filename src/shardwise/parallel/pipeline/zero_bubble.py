@@ -5,7 +5,7 @@ layer ``y = x W^T + b`` is two independent computations -- ``B``, the gradient o
 ``dx = dy W`` that the previous stage waits for, and ``W``, the weight gradients ``dW = dy^T x`` and
 ``db = sum(dy)`` that only the optimizer needs. :func:`defer_linear_weight_grads` replaces the
 ``forward`` of every ``nn.Linear`` in a module (on the instance, like
-:mod:`shardwise.train.recompute`, so names and state dicts are unchanged) by
+:mod:`shardwise.parallel.recompute`, so names and state dicts are unchanged) by
 :class:`_DeferrableLinear`, whose backward returns ``dx`` at once and, while a
 :class:`WeightGradStore` is deferring, queues ``(x, dy)`` under the current micro-batch instead of
 computing ``dW``/``db``; :meth:`WeightGradStore.run` later computes and accumulates them into ``.grad``

@@ -5,8 +5,9 @@ parameters (3), with CPU and disk offload of the master weights and optimizer st
 rank's slice with the algorithm of a reference (unsharded) optimizer.
 """
 
+from shardwise.parallel.zero.consolidate import full_model_state, load_full_model_state
 from shardwise.parallel.zero.offload import OFFLOADS, MasterStore
-from shardwise.parallel.zero.optim import ZeroOptimizer, full_model_state, load_full_model_state
+from shardwise.parallel.zero.optim import ZeroOptimizer
 from shardwise.parallel.zero.wrapper import ZeroDataParallel
 
 __all__ = ["OFFLOADS", "MasterStore", "ZeroDataParallel", "ZeroOptimizer", "full_model_state",

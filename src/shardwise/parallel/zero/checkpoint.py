@@ -59,7 +59,7 @@ def _range(key: str, values: torch.Tensor, start: int, p: torch.nn.Parameter) ->
     """Elements ``[start, start + n)`` of parameter ``p``'s flattened tensor as pieces of the single-process
     tensor: itself, or, for a tensor-parallel piece (``p.tp_shard``) or an expert-parallel shard (``p.ep_shard``,
     rows of the stacked experts), the full tensor's runs it covers."""
-    from shardwise.train.tp_state import local_range_pieces, shard_info
+    from shardwise.parallel.tensor.state import local_range_pieces, shard_info
 
     info = shard_info(p)
     if info is None:

@@ -47,7 +47,7 @@ master pieces get ``.grad = None``), so AdamW neither decays it nor moves its mo
 the unsharded run. Each rank records which parameters got a gradient (the post-accumulate hook)
 and the flags are all-reduced (MAX) once per step, at the end of backward.
 
-Expert parallelism (``expert_group``): expert weights (``p.ep_shard``, :mod:`shardwise.parallel.expert`)
+Expert parallelism (``expert_group``): expert weights (``p.ep_shard``, :mod:`shardwise.parallel.expert.dispatch`)
 differ between the ranks of an ep group, so they form units of their own whose slices are spread over the
 ranks holding the same experts (mesh axis ``edp``) -- torchtitan's "dp2ep" shards them with FSDP over the
 same group -- while the dense weights' units are sliced over the whole data-parallel group. Every gradient
@@ -73,6 +73,7 @@ from shardwise.dist.comm.counting import CommStats, nbytes
 from shardwise.parallel.data import _assign_buckets
 from shardwise.parallel.grad_norm import clip_grad_norm
 from shardwise.parallel.zero import exchange
+from shardwise.parallel.zero.consolidate import full_model_state, load_full_model_state
 from shardwise.parallel.zero.flat import FlatUnit
 from shardwise.parallel.zero.hpz import NodePartition, node_groups
 from shardwise.parallel.zero.meta import check_ranks_agree, structure_hash
@@ -360,11 +361,9 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
     # ---- checkpoints: the unsharded model's state dict, gathered / sliced ---------------------
 
     def state_dict(self, *args, **kwargs):  # noqa: D102 - a collective: every rank must call it
-        from shardwise.parallel.zero.optim import full_model_state
         return full_model_state(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # noqa: D102
-        from shardwise.parallel.zero.optim import load_full_model_state
         missing, unexpected = load_full_model_state(self, state_dict)
         if strict and (missing or unexpected):
             raise RuntimeError(f"state dict does not match: missing {missing[:3]}, unexpected {unexpected[:3]}")

@@ -21,11 +21,11 @@ The all-to-all is ours ("pairwise", :func:`shardwise.dist.comm.collectives.all_t
 ``ep`` axis of the ledger.
 
 Each local expert weight is its rows of the stacked single-process tensor ``[E, ...]`` and carries
-``p.ep_shard`` (a :class:`~shardwise.parallel.tensor.TPShard` on axis "ep", split along dim 0): the
+``p.ep_shard`` (a :class:`~shardwise.parallel.tensor.layers.TPShard` on axis "ep", split along dim 0): the
 gradient sync reduces such parameters over the ranks holding the same experts (mesh axis ``edp``)
 while dense ones go over the whole data-parallel group (:mod:`shardwise.parallel.data`); the gradient
 norm sums their squares over ``ep`` (:mod:`shardwise.parallel.grad_norm`); checkpoints write and load
-their rows of the single-process tensor (:mod:`shardwise.train.expert_state`).
+their rows of the single-process tensor (:mod:`shardwise.parallel.expert.state`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch import nn
 from shardwise.dist.comm.collectives import all_to_all, all_to_all_v
 from shardwise.dist.comm.counting import CommStats
 from shardwise.model.moe import ExpertLinear, Experts, moe_layers, moe_metrics, pop_moe_totals
-from shardwise.parallel.tensor import TPShard
+from shardwise.parallel.tensor.layers import TPShard
 
 
 class _AllToAll(torch.autograd.Function):

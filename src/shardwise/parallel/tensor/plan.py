@@ -11,7 +11,7 @@ the model's code changing. The layout is Megatron's (Shoeybi et al. 2019, "Megat
   ``down_proj`` row-parallel; one f at the MLP's input;
 * token embedding vocabulary-parallel; ``lm_head`` column-parallel over the vocabulary (for GPT-2 the
   same Parameter as the embedding: the same rows, still tied), its logits consumed by the
-  vocabulary-parallel cross-entropy (:mod:`shardwise.parallel.loss`), never gathered;
+  vocabulary-parallel cross-entropy (:mod:`shardwise.parallel.tensor.loss`), never gathered;
 * position embeddings and norms replicated.
 
 Grouped-query attention (Ainslie et al. 2023): query head ``h`` uses key/value head
@@ -22,14 +22,14 @@ replicated on the ``tp / n_kv_heads`` consecutive ranks whose query heads use it
 n_heads works. Each replica's k/v gradient then covers only its own query heads; a gradient hook sums
 it over the replicas (``grad_sync="replicas"``: the rank's rows are written into a zero tensor of the
 full k/v weight's shape, all-reduced over the tp group, and the rank takes its rows back -- see
-:class:`~shardwise.parallel.tensor._SumOverReplicas`).
+:class:`~shardwise.parallel.tensor.layers._SumOverReplicas`).
 
 Sequence parallelism (Korthikanti et al. 2022, §4.2.2): the embedding's g is a reduce-scatter to
 ``T / tp`` tokens per rank, the regions are entered by an all-gather along the sequence and left by a
 reduce-scatter; norms, dropout and residual adds run on the rank's tokens; the position table looks up
 the rank's positions. The replicated parameters (norm gains and biases, row-parallel biases, the
 position table) then get partial gradients, which a gradient hook registered on each of them
-(:func:`~shardwise.parallel.tensor.install_grad_sync`, ``grad_sync="sum"``) all-reduces over the tp
+(:func:`~shardwise.parallel.tensor.layers.install_grad_sync`, ``grad_sync="sum"``) all-reduces over the tp
 group during backward, before accumulation. The engine calls nothing for it.
 """
 
@@ -43,8 +43,8 @@ from torch import nn
 
 from shardwise.dist.comm.counting import CommStats
 from shardwise.model.moe import MoE
-from shardwise.parallel.loss import VocabParallelLoss
-from shardwise.parallel.tensor import (
+from shardwise.parallel.tensor.checks import check_tensor_parallel
+from shardwise.parallel.tensor.layers import (
     ColumnParallelLinear,
     EnterRegion,
     RowParallelLinear,
@@ -57,6 +57,7 @@ from shardwise.parallel.tensor import (
     padded_rows,
     replicated,
 )
+from shardwise.parallel.tensor.loss import VocabParallelLoss
 
 STYLES = ("vocab_embedding", "positions", "region", "colwise", "colwise_kv", "rowwise", "vocab_head", "replicate")
 """The tensor-parallel forms a module can take:
@@ -121,24 +122,6 @@ def block_plan(flavor: str) -> dict[str, str]:
     return {k.removeprefix("blocks.*."): v for k, v in PLANS[flavor].items() if k.startswith("blocks.*.")}
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def check_tensor_parallel(cfg, tp: int) -> None:
-    """Raise ``ValueError`` naming the field unless model ``cfg`` splits over ``tp`` ranks."""
-    if cfg.n_heads % tp:
-        raise ValueError(f"parallel.tp={tp} does not divide model.n_heads={cfg.n_heads}; use {_divisors(cfg.n_heads)}")
-    kv = cfg.n_kv_heads
-    if kv % tp and tp % kv:
-        raise ValueError(
-            f"parallel.tp={tp} and model.n_kv_heads={kv}: one must divide the other "
-            f"(kv heads split when tp <= n_kv_heads, replicated when tp > n_kv_heads)"
-        )
-    if cfg.d_ff % tp:
-        raise ValueError(f"parallel.tp={tp} does not divide model.d_ff={cfg.d_ff}; use {_divisors(cfg.d_ff)}")
-
-
 def kv_rows(n_heads: int, n_kv_heads: int, head_dim: int, tp: int, rank: int) -> tuple[int, int, int, bool]:
     """``(start, stop, replicas, owner)``: the rows of a k/v projection that rank ``rank`` of ``tp``
     holds -- the key/value heads its query heads ``rank * n_heads/tp ..`` use (see the module docstring)."""
@@ -185,7 +168,7 @@ def apply_tensor_parallel(
     single-device weights. Afterwards ``model(tokens)`` returns this rank's logits over its vocabulary
     range ``[B, T, ceil(V / tp)]`` (padding columns past V are zero), and ``model(tokens, targets)``
     the mean cross-entropy (:class:`VocabParallelLoss`), the same on every rank of the group. Every
-    parameter carries :class:`~shardwise.parallel.tensor.TPShard` metadata (``p.tp_shard``,
+    parameter carries :class:`~shardwise.parallel.tensor.layers.TPShard` metadata (``p.tp_shard``,
     ``p.tp_axis``, ``p.shard_dim``); gradient hooks are installed where a parameter's gradient is
     partial (sequence parallelism; replicated kv heads). Collectives record into ``stats``.
     With sequence parallelism the sequence length must divide by tp.
@@ -273,5 +256,5 @@ def reset_parameters(model: nn.Module, seed: int) -> None:
 
 
 __all__ = [
-    "PLANS", "STYLES", "apply_tensor_parallel", "block_plan", "check_tensor_parallel", "kv_rows", "reset_parameters",
+    "PLANS", "STYLES", "apply_tensor_parallel", "block_plan", "kv_rows", "reset_parameters",
 ]

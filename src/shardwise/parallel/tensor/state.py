@@ -1,7 +1,7 @@
 """The single-process training state of a tensor-parallel model part: checkpoint pieces, loading, norms.
 
-Every parameter of a model rewritten by :func:`shardwise.parallel.plan.apply_tensor_parallel` carries a
-:class:`~shardwise.parallel.tensor.TPShard` (``p.tp_shard``): which rows of which dim of the full tensor
+Every parameter of a model rewritten by :func:`shardwise.parallel.tensor.plan.apply_tensor_parallel` carries a
+:class:`~shardwise.parallel.tensor.layers.TPShard` (``p.tp_shard``): which rows of which dim of the full tensor
 it holds, and whether this rank is the *owner* among the ranks holding the same piece. From that alone:
 
 * a checkpoint holds the single-process state (layout-free, :mod:`shardwise.train.sharded`): each owner
@@ -26,7 +26,7 @@ from shardwise.train.sharded import Piece
 
 def shard_info(t: torch.Tensor):
     """The tensor's :class:`TPShard` over ep (``p.ep_shard``, an expert-parallel shard,
-    :mod:`shardwise.parallel.expert`; whole on every tp rank, tp rank 0 its owner) or over tp
+    :mod:`shardwise.parallel.expert.dispatch`; whole on every tp rank, tp rank 0 its owner) or over tp
     (``p.tp_shard``), or ``None`` for a tensor that is whole on this rank."""
     info = getattr(t, "ep_shard", None)
     return getattr(t, "tp_shard", None) if info is None else info

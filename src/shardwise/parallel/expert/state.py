@@ -1,8 +1,8 @@
 """The single-process training state of an expert-parallel model part: who writes which checkpoint pieces.
 
 Expert weights under expert parallelism are rows of the stacked single-process tensors (``p.ep_shard``,
-:mod:`shardwise.parallel.expert`), which :mod:`shardwise.train.tp_state` slices, loads and gathers like a
-tensor-parallel split (its ``shard_info`` reads both). What differs is who writes: the dense weights are
+:mod:`shardwise.parallel.expert.dispatch`), which :mod:`shardwise.parallel.tensor.state` slices, loads and
+gathers like a tensor-parallel split (its ``shard_info`` reads both). What differs is who writes: the dense weights are
 the same on every data-parallel rank, so data-parallel rank 0 writes them (with its own experts); each
 other expert shard is written by the first rank that holds it -- the ranks of the first ep group
 (``edp`` rank 0). A checkpoint therefore holds the single-process state and resumes on any layout.
@@ -15,8 +15,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from shardwise.parallel.tensor.state import gather_pieces, model_pieces, slice_pieces
 from shardwise.train.sharded import Piece
-from shardwise.train.tp_state import gather_pieces, model_pieces, slice_pieces
 
 
 def _ep(p: torch.Tensor):

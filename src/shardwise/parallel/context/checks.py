@@ -1,0 +1,49 @@
+"""The config rules of context parallelism, functions of the config alone (no torch)."""
+
+from __future__ import annotations
+
+from shardwise.checks import Unused, choice
+from shardwise.config import Config, ConfigError
+
+
+def check(cfg: Config) -> None:
+    """Context parallelism cuts every sequence into cp pieces (2*cp chunks with head-tail balance);
+    Ulysses also splits the heads (of each tensor-parallel rank) over cp."""
+    p, m = cfg.parallel, cfg.model
+    choice("parallel.cp_algorithm", p.cp_algorithm)
+    choice("parallel.cp_balance", p.cp_balance)
+    if p.cp == 1:
+        return
+    if m.flavor == "bert":
+        raise ConfigError(f"parallel.cp={p.cp} with model.flavor='bert': the context-parallel attention cores are "
+                          "causal, and an encoder's padding masks do not follow the sequence split; use parallel.cp=1")
+    chunks = 2 * p.cp if p.cp_balance == "headtail" else p.cp
+    if cfg.data.seq_len % (chunks * (p.tp if p.sequence_parallel else 1)):
+        what = f"{chunks} chunks (parallel.cp={p.cp}, parallel.cp_balance={p.cp_balance!r})"
+        if p.sequence_parallel:
+            what += f" of a multiple of parallel.tp={p.tp} (sequence parallel)"
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} does not divide into {what}")
+    if m.dropout > 0:
+        raise ConfigError(f"model.dropout={m.dropout} with parallel.cp={p.cp}: context-parallel attention has no "
+                          "attention dropout; use model.dropout=0")
+    if p.zero_hpz > 1:
+        raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} with parallel.cp={p.cp}: hpZ's node groups are cut from "
+                          "the dp ranks, but ZeRO shards over dp x cp; use parallel.zero_hpz=1")
+    if p.cp_algorithm == "ulysses":
+        heads, kv = m.n_heads // p.tp, max(m.n_kv_heads // p.tp, 1)
+        if heads % p.cp:
+            raise ConfigError(f"parallel.cp_algorithm='ulysses' splits the {heads} heads of each tensor-parallel "
+                              f"rank over parallel.cp={p.cp}; use a cp dividing {heads}, or 'ring'")
+        if kv % p.cp and p.cp % kv:
+            raise ConfigError(f"parallel.cp_algorithm='ulysses': {kv} key/value heads per tensor-parallel rank "
+                              f"neither divide by nor divide parallel.cp={p.cp}; use 'ring'")
+
+
+def unused(cfg: Config) -> list[Unused]:
+    cp = cfg.parallel.cp > 1
+    return [
+        Unused("parallel.cp_algorithm", cp, "picks context-parallel attention, but parallel.cp=1; set "
+               "parallel.cp > 1 or remove it"),
+        Unused("parallel.cp_balance", cp, "splits sequences over context-parallel ranks, but parallel.cp=1; set "
+               "parallel.cp > 1 or remove it"),
+    ]

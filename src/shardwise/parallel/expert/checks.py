@@ -1,0 +1,58 @@
+"""The config rules of mixture-of-experts blocks and expert parallelism, functions of the config alone
+(no torch): the MoE fields in range, ``ep`` against the experts and the data-parallel ranks, and what
+experts do not compose with yet, one line each."""
+
+from __future__ import annotations
+
+from shardwise.checks import Unused, divisors, positive
+from shardwise.config import Config, ConfigError, ModelConfig
+
+MOE_FIELDS = ("moe_top_k", "moe_every", "moe_shared", "moe_capacity_factor", "moe_aux_coeff", "moe_z_coeff")
+
+
+def check_moe_fields(m: ModelConfig) -> None:
+    """The mixture-of-experts fields (:mod:`shardwise.model.moe`): sizes and coefficients in range."""
+    positive("model.n_experts", m.n_experts, allow_zero=True)
+    if m.n_experts and not 1 <= m.moe_top_k <= m.n_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be in 1..model.n_experts={m.n_experts}")
+    positive("model.moe_every", m.moe_every)
+    if m.n_experts and m.moe_every > m.n_layers:
+        raise ConfigError(f"model.moe_every={m.moe_every} exceeds model.n_layers={m.n_layers}: no block would be "
+                          f"MoE; use 1..{m.n_layers}")
+    for key in ("moe_shared", "moe_capacity_factor", "moe_aux_coeff", "moe_z_coeff"):
+        positive(f"model.{key}", getattr(m, key), allow_zero=True)
+
+
+def check(cfg: Config) -> None:
+    """Expert parallelism (:mod:`.dispatch`) splits model.n_experts over runs of parallel.ep data-parallel
+    ranks."""
+    p, m = cfg.parallel, cfg.model
+    if p.ep > 1 and not m.n_experts:
+        raise ConfigError(f"parallel.ep={p.ep} needs a mixture-of-experts model; set model.n_experts "
+                          "(a multiple of parallel.ep) or parallel.ep=1")
+    if m.n_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}; "
+                          f"use one of {divisors(m.n_experts)}")
+    if p.dp % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}; use one of {divisors(p.dp)}")
+    if m.n_experts and p.sequence_parallel:
+        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.sequence_parallel=true: MoE blocks stay whole "
+                          "on every tensor-parallel rank and would see only their sequence shard (not composed "
+                          "yet); use parallel.sequence_parallel=false")
+    if p.ep > 1 and p.zero_hpz > 1:
+        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero_hpz={p.zero_hpz}: hpZ's secondary partitions "
+                          "span the data-parallel group, expert units do not (not composed); use parallel.zero_hpz=1")
+    if m.n_experts and p.cp > 1:
+        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.cp={p.cp}: the load-balancing loss of a "
+                          "sequence shard is not that of the whole sequence (not composed yet); use parallel.cp=1")
+    if m.n_experts and m.flavor == "bert":
+        raise ConfigError(f"model.n_experts={m.n_experts} with model.flavor='bert': the experts are decoder "
+                          "MLPs (GPT-2 or Llama); use model.n_experts=0 or another flavour")
+    if m.n_experts and cfg.ps.servers:
+        raise ConfigError(f"model.n_experts={m.n_experts} with ps.servers={cfg.ps.servers}: the parameter "
+                          "server's workers do not add the router losses (not composed yet); use ps.servers=0")
+
+
+def unused(cfg: Config) -> list[Unused]:
+    why = "configures mixture-of-experts blocks, but model.n_experts=0; set model.n_experts or remove it"
+    return [Unused(f"model.{k}", cfg.model.n_experts > 0, why) for k in MOE_FIELDS]

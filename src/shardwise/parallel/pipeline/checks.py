@@ -1,0 +1,129 @@
+"""The config rules of pipeline parallelism, functions of the config alone (no torch): stages against
+layers, the schedule against the micro-batch count, the batch against the micro-batches, the partition."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import pairwise
+
+from shardwise.checks import Unused, choice, positive
+from shardwise.config import CHOICES, PP_SCHEDULES, Config, ConfigError
+
+SCHEDULES = PP_SCHEDULES
+"""The schedules :mod:`.schedules` builds."""
+
+
+def check_stages(n_layers: int, n_stages: int) -> None:
+    """Every stage needs at least one block."""
+    if n_stages < 1:
+        raise ValueError(f"the number of pipeline stages must be >= 1, got {n_stages}")
+    if n_stages > n_layers:
+        raise ValueError(
+            f"{n_stages} pipeline stages (parallel.pp * parallel.pp_virtual) exceed model.n_layers={n_layers}; "
+            f"every stage needs at least one block: use at most {n_layers} stages")
+
+
+def check_boundaries(n_layers: int, boundaries: Sequence[int]) -> list[int]:
+    """The first block of every stage after the first, strictly increasing within (0, n_layers)."""
+    b = list(boundaries)
+    check_stages(n_layers, len(b) + 1)
+    if any(lo >= hi for lo, hi in pairwise([0, *b, n_layers])):
+        raise ValueError(f"pipeline split boundaries {b} must be strictly increasing within (0, {n_layers})")
+    return b
+
+
+def check_manual(n_layers: int, n_stages: int, boundaries: Sequence[int] | None) -> None:
+    """A manual split gives one boundary fewer than the stages."""
+    if boundaries is None:
+        raise ValueError("partition method 'manual' needs boundaries (the first block of stages 1..n-1)")
+    if len(boundaries) != n_stages - 1:
+        raise ValueError(f"{len(boundaries)} split boundaries give {len(boundaries) + 1} stages, not {n_stages}")
+    check_boundaries(n_layers, boundaries)
+
+
+def check_schedule(schedule: str, n_ranks: int, n_microbatches: int, n_chunks: int = 1) -> None:
+    """Raise ``ValueError`` naming the config field if ``schedule`` cannot run this shape."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule={schedule!r} is not valid; use one of {', '.join(SCHEDULES)}")
+    if n_microbatches < 1:
+        raise ValueError(f"parallel.microbatches={n_microbatches} must be >= 1")
+    if schedule == "naive" and n_microbatches != 1:
+        raise ValueError(f"parallel.microbatches={n_microbatches} cannot run with pp_schedule='naive', "
+                         "which passes the whole batch at once; use 1, or pp_schedule='gpipe'/'1f1b'")
+    if schedule == "interleaved":
+        if n_chunks < 2:
+            raise ValueError(f"parallel.pp_virtual={n_chunks} must be >= 2 for pp_schedule='interleaved'")
+        if n_microbatches % n_ranks:
+            raise ValueError(f"parallel.microbatches={n_microbatches} is not a multiple of parallel.pp={n_ranks}, "
+                             f"which pp_schedule='interleaved' needs; use {n_ranks}, {2 * n_ranks}, ...")
+    elif n_chunks != 1:
+        raise ValueError(f"parallel.pp_virtual={n_chunks} needs pp_schedule='interleaved' (got {schedule!r}); use 1")
+
+
+def check_pipeline(n_layers: int, pp: int, schedule: str, microbatches: int, global_batch: int,
+                   virtual: int = 1) -> None:
+    """Every pipeline check that needs no processes: stages vs layers, the schedule vs the micro-batch
+    count, the batch vs the micro-batch count. Meant for config validation before spawning."""
+    check_stages(n_layers, pp * virtual)
+    check_schedule(schedule, pp, microbatches, virtual)
+    if global_batch % microbatches:
+        raise ValueError(f"a batch of {global_batch} sequences does not split into parallel.microbatches="
+                         f"{microbatches} equal micro-batches; use a divisor of {global_batch}")
+
+
+def pipeline_partition(text: str) -> tuple[str, list[int] | None]:
+    """``parallel.pp_partition`` as ``(method, boundaries)``: a method name, or "2,5" -> ("manual", [2, 5])."""
+    text = str(text).strip()
+    if text and all(part.strip().isdigit() for part in text.split(",")):
+        return "manual", [int(part) for part in text.split(",")]
+    if text not in CHOICES["parallel.pp_partition"]:
+        raise ConfigError(f"parallel.pp_partition={text!r} is not valid; use 'even', 'params', 'flops' "
+                          "or the first block of each stage after the first, e.g. '2,5'")
+    return text, None
+
+
+def check(cfg: Config) -> None:
+    """Pipeline checks that need no processes (stages vs layers, schedule vs micro-batches), and what a
+    pipeline does not compose with yet, one line each."""
+    p, t = cfg.parallel, cfg.train
+    positive("parallel.pp_virtual", p.pp_virtual)
+    choice("parallel.pp_schedule", p.pp_schedule)
+    method, boundaries = pipeline_partition(p.pp_partition)
+    if p.pp == 1:
+        if p.pp_virtual != 1:
+            raise ConfigError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp > 1; use 1")
+        return
+    if p.zero > 1:
+        raise ConfigError(f"parallel.zero={p.zero} with parallel.pp={p.pp}: a pipeline keeps every micro-batch's "
+                          "gradients until the flush, so only ZeRO-1 (sharded optimizer states) composes with it "
+                          "here; use parallel.zero=1 or 0")
+    if p.zero and (p.pp_virtual > 1 or p.pp_schedule == "zb-h1"):
+        raise ConfigError(f"parallel.zero=1 with parallel.pp_schedule={p.pp_schedule!r} and parallel.pp_virtual="
+                          f"{p.pp_virtual}: ZeRO-1 wraps one stage per rank, and zb-h1's deferred weight gradients "
+                          "bypass its hooks; use '1f1b' or 'gpipe' with parallel.pp_virtual=1")
+    if p.zero and (p.offload != "none" or p.zero_quant_grads):
+        raise ConfigError("parallel.zero=1 inside a pipeline runs without offload or int8 gradients for now; "
+                          "use parallel.offload='none' and parallel.zero_quant_grads=false")
+    if t.objective == "classify":
+        raise ConfigError(f"parallel.pp={p.pp} with train.objective='classify' is not implemented yet (the "
+                          "padding mask would have to travel with the activations); use 1")
+    try:
+        check_pipeline(cfg.model.n_layers, p.pp, p.pp_schedule, p.microbatches, t.micro_batch * p.microbatches,
+                       p.pp_virtual)
+        if method == "manual":  # a cost-balanced split always exists once there are enough layers
+            check_manual(cfg.model.n_layers, p.pp * p.pp_virtual, boundaries)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def unused(cfg: Config) -> list[Unused]:
+    p = cfg.parallel
+    on = p.pp > 1
+    return [
+        Unused("parallel.microbatches", on, f"counts a pipeline's micro-batches, but parallel.pp=1; use "
+               f"train.grad_accum={p.microbatches} for micro-batches accumulated per step"),
+        Unused("parallel.pp_schedule", on, "orders a pipeline's stages, but parallel.pp=1; set parallel.pp > 1 or "
+               "remove it"),
+        Unused("parallel.pp_partition", on, "splits the model into pipeline stages, but parallel.pp=1; "
+               "set parallel.pp > 1 or remove it"),
+    ]

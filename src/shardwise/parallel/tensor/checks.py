@@ -1,0 +1,51 @@
+"""The config rules of tensor and sequence parallelism, functions of the config alone (no torch)."""
+
+from __future__ import annotations
+
+from shardwise.checks import divisors
+from shardwise.config import Config, ConfigError, ModelConfig
+
+
+def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
+    """Raise ConfigError naming the field unless model ``m`` splits over ``tp`` ranks: heads, key/value heads
+    (split when tp <= n_kv_heads, replicated when tp > n_kv_heads) and the MLP width."""
+    if m.n_heads % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={m.n_heads}; use {divisors(m.n_heads)}")
+    kv = m.n_kv_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(
+            f"parallel.tp={tp} and model.n_kv_heads={kv}: one must divide the other "
+            f"(kv heads split when tp <= n_kv_heads, replicated when tp > n_kv_heads)"
+        )
+    if m.d_ff % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide model.d_ff={m.d_ff}; use {divisors(m.d_ff)}")
+
+
+def check(cfg: Config) -> None:
+    """Tensor parallelism splits heads, the MLP width and the vocabulary (:mod:`.plan` says how); sequence
+    parallelism also splits the sequence over the same ranks."""
+    p, m = cfg.parallel, cfg.model
+    if p.tp > 1:
+        check_tensor_parallel(m, p.tp)
+        if m.dropout > 0:
+            raise ConfigError(f"model.dropout={m.dropout} with parallel.tp={p.tp}: the tensor-parallel ranks would "
+                              "draw correlated dropout masks (no per-rank RNG tracker yet); use model.dropout=0")
+        if p.pp > 1 and p.sequence_parallel:
+            raise ConfigError(f"parallel.sequence_parallel=true with parallel.pp={p.pp}: stages exchange whole-"
+                              "sequence activations; sequence-split ones are not composed yet; use "
+                              "parallel.sequence_parallel=false")
+        if p.pp > 1 and p.pp_schedule == "zb-h1":
+            raise ConfigError(f"parallel.pp_schedule='zb-h1' with parallel.tp={p.tp}: the zero-bubble schedule "
+                              "defers nn.Linear weight gradients, not those of tensor-parallel layers; use '1f1b'")
+        if p.zero and p.zero_hpz > 1:
+            raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} with parallel.tp={p.tp}: hpZ's node groups span "
+                              "the whole world, not one tensor-parallel rank's replicas; use parallel.zero_hpz=1")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true splits the sequence over the tensor-parallel ranks, "
+                          "but parallel.tp=1; set parallel.tp > 1 or parallel.sequence_parallel=false")
+    if p.sequence_parallel and cfg.data.seq_len % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel=true needs data.seq_len={cfg.data.seq_len} divisible by "
+                          f"parallel.tp={p.tp}; use a multiple of {p.tp}")
+    if p.sequence_parallel and m.flavor == "bert":
+        raise ConfigError("parallel.sequence_parallel=True with model.flavor='bert' is not implemented yet (its "
+                          "token-type embeddings would need splitting along the sequence); use false")
