@@ -199,7 +199,7 @@ def train(kind: str, opt_name: str, steps: int, batch: int, bucket_mb: float = 2
     if opt_name == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)  # see test_train.py
     losses = []
     for step in range(steps):
         x, y = shard(global_batch(kind, step, batch), rank, world)

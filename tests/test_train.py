@@ -27,6 +27,11 @@ def make_config(run_dir: Path, cache_dir: Path, nproc: int, **overrides) -> Conf
         "train.steps": "10",
         "train.global_batch": "8",
         "train.warmup_steps": "2",
+        # Adam's epsilon above the floating-point noise floor: a gradient that is zero in exact arithmetic
+        # (GPT-2's key bias: softmax ignores a shift shared by all keys) is reduction-order noise of ~1e-10,
+        # which eps 1e-8 turns into lr-sized steps that differ between layouts; eps 1e-6 leaves real
+        # gradients (>= 1e-5 here) to Adam as before
+        "train.eps": "1e-6",
         "train.precision": "fp32",
         "train.eval_every": "0",
         "train.eval_batches": "2",
