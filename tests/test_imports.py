@@ -1,6 +1,6 @@
 """The package's modules import each other without a ring: each room can be read (and changed) from its own
-imports down. Every import counts -- top-level and inside functions -- except those under ``if TYPE_CHECKING``,
-which never run."""
+imports down. Every import counts -- top-level and inside functions, and a package's names loaded on first use
+(its ``_EXPORTS`` table, :mod:`shardwise.lazy`) -- except those under ``if TYPE_CHECKING``, which never run."""
 
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+            targets = [ast.literal_eval(v) for v in node.value.values]  # the lazy namespace's modules
+        elif isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -100,6 +102,8 @@ def test_the_walk_sees_imports_inside_functions_and_finds_a_ring():
     assert {"shardwise.ps.runner", "shardwise.train.loop"} <= found
     consolidate = PACKAGE / "parallel" / "zero" / "consolidate.py"  # its wrapper import is for type checking only
     assert "shardwise.parallel.zero.wrapper" not in imports_of(consolidate, set(import_graph()))
+    lazy = PACKAGE / "parallel" / "zero" / "__init__.py"  # names loaded on first use still count
+    assert "shardwise.parallel.zero.wrapper" in imports_of(lazy, set(import_graph()))
 
 
 def test_config_checks_load_without_the_heavy_modules():
@@ -112,3 +116,17 @@ def test_config_checks_load_without_the_heavy_modules():
                  "parallel.expert.checks", "parallel.zero.checks", "ps.checks", "dist.comm.checks", "dist.checks",
                  "train.checks"):
         assert graph[f"shardwise.{name}"] <= light, (name, graph[f"shardwise.{name}"] - light)
+
+
+def test_resolving_a_config_does_not_import_torch():
+    """``shardwise config show`` and a bad field's one-line error stay fast: resolving the default config loads
+    each technique's checks without their packages' torch code (run.device "cpu": "auto" asks torch for GPUs)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from shardwise.config import Config; from shardwise.config_resolve import resolve; "
+            "cfg = Config(); cfg.run.device = 'cpu'; resolve(cfg, tokenizer_vocab=257); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert out.stdout.strip() == "False"

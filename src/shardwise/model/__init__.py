@@ -3,41 +3,33 @@
 
 Parallelism is applied from outside (``shardwise.parallel``); nothing here knows about it.
 
-The names below are imported lazily (PEP 562), so that ``shardwise.config`` can read
+The names below are imported on first use (:mod:`shardwise.lazy`), so that ``shardwise.config`` can read
 ``shardwise.model.presets`` without importing torch or this package's model code.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from shardwise.lazy import lazy_exports
 
 _EXPORTS = {
-    "Transformer": "shardwise.model.transformer",
-    "Block": "shardwise.model.transformer",
-    "initial_value": "shardwise.model.transformer",
-    "generate": "shardwise.model.generate",
-    "generate_batch": "shardwise.model.generate",
-    "KVCache": "shardwise.model.kv_cache",
     "Attention": "shardwise.model.layers",
+    "Block": "shardwise.model.transformer",
     "GeluMLP": "shardwise.model.layers",
+    "KVCache": "shardwise.model.kv_cache",
     "RMSNorm": "shardwise.model.layers",
     "RotaryEmbedding": "shardwise.model.layers",
     "SwiGLU": "shardwise.model.layers",
+    "Transformer": "shardwise.model.transformer",
+    "generate": "shardwise.model.generate",
+    "generate_batch": "shardwise.model.generate",
+    "initial_value": "shardwise.model.transformer",
 }
 
 __all__ = [
-    "Attention",
-    "Block",
-    "GeluMLP",
-    "KVCache",
-    "RMSNorm",
-    "RotaryEmbedding",
-    "SwiGLU",
-    "Transformer",
-    "generate",
-    "generate_batch",
-    "initial_value",
+    "Attention", "Block", "GeluMLP", "KVCache", "RMSNorm", "RotaryEmbedding", "SwiGLU", "Transformer",
+    "generate", "generate_batch", "initial_value",
 ]
 
 if TYPE_CHECKING:
@@ -46,14 +38,4 @@ if TYPE_CHECKING:
     from shardwise.model.layers import Attention, GeluMLP, RMSNorm, RotaryEmbedding, SwiGLU
     from shardwise.model.transformer import Block, Transformer, initial_value
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -11,12 +11,43 @@ Modules:
     compress     top-k / int8 / fp16 / bf16 gradient all-reduce for DataParallel (error feedback)
     background   the communication thread that lets blocking algorithms overlap backward
     bench        ``shardwise bench comm``
+
+The names below are imported on first use (:mod:`shardwise.lazy`).
 """
 
-from .allreduce import ALL_REDUCE_ALGORITHMS, all_reduce, native_all_reduce
-from .collectives import ALGORITHMS, all_gather, all_to_all, barrier, broadcast, gather, reduce, reduce_scatter, scatter
-from .counting import CommLedger, CommStats
-from .p2p import OPS
+from __future__ import annotations
 
-__all__ = ["ALGORITHMS", "ALL_REDUCE_ALGORITHMS", "OPS", "CommLedger", "CommStats", "all_gather", "all_reduce",
-           "all_to_all", "barrier", "broadcast", "gather", "native_all_reduce", "reduce", "reduce_scatter", "scatter"]
+from typing import TYPE_CHECKING
+
+from shardwise.lazy import lazy_exports
+
+_EXPORTS = {
+    "ALGORITHMS": "shardwise.dist.comm.collectives",
+    "ALL_REDUCE_ALGORITHMS": "shardwise.dist.comm.allreduce",
+    "CommLedger": "shardwise.dist.comm.counting",
+    "CommStats": "shardwise.dist.comm.counting",
+    "OPS": "shardwise.dist.comm.p2p",
+    "all_gather": "shardwise.dist.comm.collectives",
+    "all_reduce": "shardwise.dist.comm.allreduce",
+    "all_to_all": "shardwise.dist.comm.collectives",
+    "barrier": "shardwise.dist.comm.collectives",
+    "broadcast": "shardwise.dist.comm.collectives",
+    "gather": "shardwise.dist.comm.collectives",
+    "native_all_reduce": "shardwise.dist.comm.allreduce",
+    "reduce": "shardwise.dist.comm.collectives",
+    "reduce_scatter": "shardwise.dist.comm.collectives",
+    "scatter": "shardwise.dist.comm.collectives",
+}
+
+__all__ = [
+    "ALGORITHMS", "ALL_REDUCE_ALGORITHMS", "CommLedger", "CommStats", "OPS", "all_gather", "all_reduce",
+    "all_to_all", "barrier", "broadcast", "gather", "native_all_reduce", "reduce", "reduce_scatter", "scatter",
+]
+
+if TYPE_CHECKING:
+    from shardwise.dist.comm.allreduce import ALL_REDUCE_ALGORITHMS, all_reduce, native_all_reduce
+    from shardwise.dist.comm.collectives import ALGORITHMS, all_gather, all_to_all, barrier, broadcast, gather, reduce, reduce_scatter, scatter
+    from shardwise.dist.comm.counting import CommLedger, CommStats
+    from shardwise.dist.comm.p2p import OPS
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
