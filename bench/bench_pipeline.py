@@ -79,8 +79,9 @@ def _worker(rank: int, nproc: int, args, port: int, queue) -> None:
     from torch.distributed import pipelining as tpp
 
     from shardwise.dist import init_distributed
-    from shardwise.parallel.pipeline import Pipeline, bubble_fraction, build_stage, gather_timelines, partition
+    from shardwise.parallel.pipeline import Pipeline, bubble_fraction, build_stage, gather_timelines
     from shardwise.parallel.pipeline import theoretical_bubble as theory
+    from shardwise.parallel.pipeline.partition import partition
 
     init_distributed("gloo", timeout_s=600)
     cfg = _cfg(args)

@@ -8,7 +8,8 @@ import torch
 
 from shardwise.config import Config
 from shardwise.config_resolve import resolve
-from shardwise.model import KVCache, Transformer, generate, generate_batch
+from shardwise.model import KVCache, Transformer
+from shardwise.model.generate import generate, generate_batch
 
 
 def model_of(flavor: str) -> Transformer:

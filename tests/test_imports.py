@@ -130,3 +130,17 @@ def test_resolving_a_config_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
     assert out.stdout.strip() == "False"
+
+
+def test_no_lazy_name_is_shadowed_by_a_submodule():
+    """Importing submodule ``pkg.x`` sets the attribute ``pkg.x`` to the module, so a name loaded on first use
+    must not be a submodule's name too (``from shardwise.parallel.pipeline import partition`` would then give
+    the module once anything had imported ``shardwise.parallel.pipeline.partition``)."""
+    for init in PACKAGE.rglob("__init__.py"):
+        tree = ast.parse(init.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+                names = {ast.literal_eval(k) for k in node.value.keys}
+                submodules = {p.stem for p in init.parent.glob("*.py")} | {p.name for p in init.parent.iterdir()
+                                                                           if (p / "__init__.py").exists()}
+                assert not names & submodules, (str(init), names & submodules)

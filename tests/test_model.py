@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from shardwise.config import Config
 from shardwise.config_resolve import resolve
-from shardwise.model import Transformer, generate
+from shardwise.model import Transformer
+from shardwise.model.generate import generate
 
 VOCAB = 257
 

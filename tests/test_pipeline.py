@@ -33,13 +33,13 @@ from shardwise.parallel.pipeline import (
     even_split,
     global_grad_norm,
     manual_split,
-    partition,
     peak_live,
     simulate,
     split_microbatches,
     theoretical_bubble,
     zb_h1_bubble,
 )
+from shardwise.parallel.pipeline.partition import partition
 from tests.harness import run_on_ranks
 
 ATOL, RTOL = 1e-6, 1e-5

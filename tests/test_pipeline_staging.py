@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.parallel.pipeline import Pipeline, build_stage, partition
+from shardwise.parallel.pipeline import Pipeline, build_stage
+from shardwise.parallel.pipeline.partition import partition
 from tests.harness import run_on_ranks
 from tests.test_pipeline import ATOL, RTOL, SEQ, _cfg, _reference
 

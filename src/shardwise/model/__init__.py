@@ -22,18 +22,17 @@ _EXPORTS = {
     "RotaryEmbedding": "shardwise.model.layers",
     "SwiGLU": "shardwise.model.layers",
     "Transformer": "shardwise.model.transformer",
-    "generate": "shardwise.model.generate",
     "generate_batch": "shardwise.model.generate",
     "initial_value": "shardwise.model.transformer",
 }
 
 __all__ = [
     "Attention", "Block", "GeluMLP", "KVCache", "RMSNorm", "RotaryEmbedding", "SwiGLU", "Transformer",
-    "generate", "generate_batch", "initial_value",
+    "generate_batch", "initial_value",
 ]
 
 if TYPE_CHECKING:
-    from shardwise.model.generate import generate, generate_batch
+    from shardwise.model.generate import generate_batch
     from shardwise.model.kv_cache import KVCache
     from shardwise.model.layers import Attention, GeluMLP, RMSNorm, RotaryEmbedding, SwiGLU
     from shardwise.model.transformer import Block, Transformer, initial_value

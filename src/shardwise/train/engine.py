@@ -43,9 +43,10 @@ from shardwise.parallel.expert import state as expert_state
 from shardwise.parallel.expert.dispatch import step_metrics as moe_step_metrics
 from shardwise.parallel.grad_norm import clip_grad_norm
 from shardwise.parallel.parallelize import parallelize
-from shardwise.parallel.pipeline import Pipeline, build_stage, partition
+from shardwise.parallel.pipeline import Pipeline, build_stage
 from shardwise.parallel.pipeline.checks import pipeline_partition
 from shardwise.parallel.pipeline.clip import tied_copies_elsewhere
+from shardwise.parallel.pipeline.partition import partition
 from shardwise.parallel.tensor import state as tp_state
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces

@@ -43,7 +43,6 @@ _EXPORTS = {
     "global_grad_norm": "shardwise.parallel.pipeline.clip",
     "layer_costs": "shardwise.parallel.pipeline.partition",
     "manual_split": "shardwise.parallel.pipeline.partition",
-    "partition": "shardwise.parallel.pipeline.partition",
     "peak_live": "shardwise.parallel.pipeline.schedules",
     "plot_gantt": "shardwise.parallel.pipeline.timeline",
     "simulate": "shardwise.parallel.pipeline.schedules",
@@ -57,7 +56,7 @@ __all__ = [
     "Action", "Event", "Pipeline", "SCHEDULES", "StageModule", "Timeline", "WeightGradStore", "balanced_split",
     "bubble_fraction", "build_schedule", "build_stage", "check_pipeline", "check_schedule", "chrome_trace",
     "clip_grad_norm", "compute_order", "defer_linear_weight_grads", "even_split", "gather_timelines",
-    "global_grad_norm", "layer_costs", "manual_split", "partition", "peak_live", "plot_gantt", "simulate",
+    "global_grad_norm", "layer_costs", "manual_split", "peak_live", "plot_gantt", "simulate",
     "split_microbatches", "theoretical_bubble", "write_chrome_trace", "zb_h1_bubble",
 ]
 
@@ -72,7 +71,6 @@ if TYPE_CHECKING:
         even_split,
         layer_costs,
         manual_split,
-        partition,
     )
     from shardwise.parallel.pipeline.schedules import (
         Action,
