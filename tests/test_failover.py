@@ -37,7 +37,7 @@ def _killed_run_matches_uninterrupted(tmp_path, cache_dir, fault: str, **layout)
     """Launch with ``fault``; return (metrics records, console text) after checking the final weights
     against an uninterrupted run of the same seed and layout."""
     overrides = {"train.steps": STEPS, "ckpt.every": EVERY, "ckpt.keep": 2, **layout}
-    _, reference = run(tmp_path, cache_dir, "reference", 2, **overrides)
+    _, reference, _ = run(tmp_path, cache_dir, "reference", 2, **overrides)
     run_dir = tmp_path / "killed"
     make_config(run_dir, cache_dir, 2, **overrides)  # writes run_dir/config.toml
     proc = _launch(run_dir, "--run.fault", fault)

@@ -42,7 +42,7 @@ def test_run_from_transformers_directory_starts_at_its_loss(layout, tmp_path, ca
     src = _transformers_directory(flavor, tmp_path / "src")
     overrides = {"model.preset": "custom", "model.init_from": f"hf:{src}", "data.seq_len": 16, "train.steps": 2,
                  **overrides}
-    losses, _state = run(tmp_path, cache_dir, layout, 2, **overrides)
+    losses, _state, _ = run(tmp_path, cache_dir, layout, 2, **overrides)
     cfg = make_config(tmp_path / "ref", cache_dir, 2, **overrides)
     expected = first_batch_loss(cfg, transformers.AutoModelForCausalLM.from_pretrained(src))
     assert losses[0] == pytest.approx(expected, abs=1e-5)

@@ -105,7 +105,7 @@ def test_two_nodes_train_what_one_host_trains(cluster, tmp_path, cache_dir, layo
         assert picks, "no 'comm.algorithm=auto chose' line: " + procs[0].stdout[-2000:]
         assert {alg for alg, _ in picks} <= {"hierarchical", "torus"}, f"auto picked {picks} across 2 nodes"
         overrides.update({"comm.algorithm": picks[0][0], "comm.node_size": 2})
-    _, reference = run(tmp_path, cache_dir, "one-host", 4, **overrides)
+    _, reference, _ = run(tmp_path, cache_dir, "one-host", 4, **overrides)
     model = open_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1]).model_state()
     for name, value in reference.items():
         assert torch.equal(model[name], value), f"{name} differs from the one-host run"

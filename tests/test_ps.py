@@ -25,7 +25,7 @@ def _train(cfg, run_dir: str, stop_after=None):
     from shardwise.worker import train
 
     result = train(cfg, Path(run_dir), collect_state=True, stop_after=stop_after)
-    return (result.losses, result.state_dict) if dist.get_rank() == 0 else None
+    return (result.losses, result.state_dict, result.grad_norms) if dist.get_rank() == 0 else None
 
 
 def run(tmp_path: Path, cache_dir: Path, name: str, nproc: int, stop_after=None, timeout=120, **overrides):
@@ -102,7 +102,7 @@ def test_ssp_under_a_straggler_trains_what_delayed_gradients_train(one_process, 
     The reference itself, with no delay, is the one-process run."""
     from shardwise.ps.delayed import train_delayed
 
-    losses, state = run(tmp_path, cache_dir, "ssp1", 3, **PS, **{"ps.consistency": "ssp", "ps.staleness": 1,
+    losses, state, _ = run(tmp_path, cache_dir, "ssp1", 3, **PS, **{"ps.consistency": "ssp", "ps.staleness": 1,
                                                                  "ps.straggler": "1:500"})
     fast = records(tmp_path / "ssp1", 0)
     assert [r["ps_staleness"] for r in fast[1:]] == [1] * (len(fast) - 1), "the fast worker should lag by s"
@@ -117,7 +117,7 @@ def test_ssp_under_a_straggler_trains_what_delayed_gradients_train(one_process, 
 
 def test_asp_with_a_straggler_and_int8_pushes_trains(tmp_path, cache_dir):
     """asp: every push applied on arrival (2 workers x 6 clocks), no crash, loss falls; bytes counted."""
-    losses, state = run(tmp_path, cache_dir, "asp", 3, **PS, **{"ps.consistency": "asp", "ps.straggler": "1:300",
+    losses, state, _ = run(tmp_path, cache_dir, "asp", 3, **PS, **{"ps.consistency": "asp", "ps.straggler": "1:300",
                                                                   "comm.compression": "int8"})
     assert all(torch.isfinite(v).all() for v in state.values())
     assert losses[-1] < losses[0]
@@ -202,10 +202,10 @@ def test_checkpoints_resume_in_ps_mode_and_in_all_reduce_mode(one_process, tmp_p
     over = {**PS, "ckpt.every": 3}
     run(tmp_path, cache_dir, "ps", 3, stop_after=3, **over)
     shutil.copytree(tmp_path / "ps", tmp_path / "dp")
-    losses, state = run(tmp_path, cache_dir, "ps", 4, **{"ps.servers": 2, "ckpt.every": 3, "ckpt.resume": "true"})
+    losses, state, _ = run(tmp_path, cache_dir, "ps", 4, **{"ps.servers": 2, "ckpt.every": 3, "ckpt.resume": "true"})
     assert_same_training((losses, state), (one_process[0][3:], one_process[1]), atol=1e-5)
-    losses, state = run(tmp_path, cache_dir, "dp", 2, **{"ckpt.every": 3, "ckpt.resume": "true"})
-    assert_same_training((losses, state), (one_process[0][3:], one_process[1]), atol=1e-5)
+    losses, state, norms = run(tmp_path, cache_dir, "dp", 2, **{"ckpt.every": 3, "ckpt.resume": "true"})
+    assert_same_training((losses, state, norms), (one_process[0][3:], one_process[1], one_process[2][3:]), atol=1e-5)
 
 
 def _train_with_a_failure(cfg, run_dir: str, fail_rank: int, at_clock: int):

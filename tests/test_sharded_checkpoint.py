@@ -26,7 +26,7 @@ def _checkpoint(run_dir: Path) -> Path:
 
 
 def test_zero3_ranks_write_their_own_slices(tmp_path, cache_dir):
-    _, final = run(tmp_path, cache_dir, "zero3", 2, **TINY, **{"parallel.zero": 3})
+    _, final, _ = run(tmp_path, cache_dir, "zero3", 2, **TINY, **{"parallel.zero": 3})
     path = _checkpoint(tmp_path / "zero3")
     assert sorted(p.name for p in path.glob("shard-*.safetensors")) == ["shard-00000.safetensors",
                                                                          "shard-00001.safetensors"]

@@ -52,7 +52,7 @@ def _train_on_rank(cfg: Config, run_dir: str, stop_after=None):
     from shardwise.train.loop import train
 
     result = train(cfg, Path(run_dir), collect_state=True, stop_after=stop_after)
-    return (result.losses, result.state_dict) if dist.get_rank() == 0 else None
+    return (result.losses, result.state_dict, result.grad_norms) if dist.get_rank() == 0 else None
 
 
 def run(tmp_path: Path, cache_dir: Path, name: str, nproc: int, stop_after=None, **overrides):
@@ -61,11 +61,21 @@ def run(tmp_path: Path, cache_dir: Path, name: str, nproc: int, stop_after=None,
     return run_on_ranks(nproc, _train_on_rank, cfg, str(run_dir), stop_after)[0]
 
 
-def assert_same_training(a, b, atol: float):
-    losses_a, state_a = a
-    losses_b, state_b = b
+def assert_same_training(a, b, atol: float, norm_rtol: float = 1e-5):
+    """The same training: per-step losses and final weights within ``atol``, and the pre-clip global gradient
+    norm of every step within ``norm_rtol`` relative -- what clipping hides (a gradient scaled by a constant
+    is clipped back to the same update) and Adam hides (it is invariant to the gradient's scale) the norm
+    still shows. ``a``, ``b``: ``(losses, state, grad_norms)`` as :func:`run` returns them; the norms are
+    compared wherever both runs measured one (the parameter server's workers each measure only their own, and
+    pass ``(losses, state)`` or empty norms)."""
+    (losses_a, state_a, norms_a), (losses_b, state_b, norms_b) = ((*r[:2], r[2] if len(r) > 2 else []) for r in (a, b))
     assert len(losses_a) == len(losses_b)
     torch.testing.assert_close(torch.tensor(losses_a), torch.tensor(losses_b), atol=atol, rtol=0)
+    if norms_a and norms_b:
+        assert len(norms_a) == len(norms_b) == len(losses_a)
+        torch.testing.assert_close(torch.tensor(norms_a, dtype=torch.float64),
+                                   torch.tensor(norms_b, dtype=torch.float64), rtol=norm_rtol, atol=0,
+                                   msg=lambda m: f"pre-clip gradient norms: {m}")
     assert state_a.keys() == state_b.keys()
     for key in state_a:
         torch.testing.assert_close(state_a[key], state_b[key], atol=atol, rtol=0, msg=key)
@@ -102,12 +112,12 @@ def test_llama_flavour_data_parallel(tmp_path, cache_dir):
 
 
 def test_bf16_trains(tmp_path, cache_dir):
-    losses, _ = run(tmp_path, cache_dir, "bf16", 2, **{"train.precision": "bf16"})
+    losses, _, _ = run(tmp_path, cache_dir, "bf16", 2, **{"train.precision": "bf16"})
     assert losses[-1] < losses[0] - 0.1
 
 
 def test_fp16_with_loss_scaling_trains(tmp_path, cache_dir):
-    losses, _ = run(tmp_path, cache_dir, "fp16", 2, **{"train.precision": "fp16"})
+    losses, _, _ = run(tmp_path, cache_dir, "fp16", 2, **{"train.precision": "fp16"})
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.1
 

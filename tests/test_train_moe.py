@@ -75,8 +75,8 @@ def test_ep2_checkpoint_resumes_on_one_process(reference, tmp_path, cache_dir, n
     run(tmp_path, cache_dir, "switch", nproc, stop_after=2, **ckpt, **{"parallel.ep": 2, **overrides})
     resumed = run(tmp_path, cache_dir, "switch", 1, **ckpt,
                   **{"train.micro_batch": 8 // dp, "ckpt.resume": "true"})
-    losses, state = reference[dp]
-    assert_same_training(resumed, (losses[2:], state), atol=1e-5)
+    losses, state, norms = reference[dp]
+    assert_same_training(resumed, (losses[2:], state, norms[2:]), atol=1e-5)
 
 
 def test_one_process_checkpoint_resumes_on_ep2_zero2(reference, tmp_path, cache_dir):
@@ -86,8 +86,8 @@ def test_one_process_checkpoint_resumes_on_ep2_zero2(reference, tmp_path, cache_
     run(tmp_path, cache_dir, "switch", 1, stop_after=2, **ckpt, **{"train.micro_batch": 2})
     resumed = run(tmp_path, cache_dir, "switch", 4, **ckpt,
                   **{"parallel.ep": 2, "parallel.zero": 2, "ckpt.resume": "true"})
-    losses, state = reference[4]
-    assert_same_training(resumed, (losses[2:], state), atol=1e-5)
+    losses, state, norms = reference[4]
+    assert_same_training(resumed, (losses[2:], state, norms[2:]), atol=1e-5)
 
 
 def grad_norms(run_dir) -> list[float]:

@@ -111,6 +111,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         )
 
     losses: list[float] = []
+    grad_norms: list[float] = []
     val_loss = None
     if start_step == 0:  # the untrained model's validation loss: the baseline the run improves on
         val_loss = evaluate(engine, val_windows, tcfg, dp_rank, dp_size, loss_group, device)
@@ -151,6 +152,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         dist.all_reduce(step_loss, op=dist.ReduceOp.SUM, group=loss_group)
         step_loss = step_loss.item() / loss_ranks
         losses.append(step_loss)
+        grad_norms.append(grad_norm)
         elapsed = time.perf_counter() - t0 - accounting_s
         tokens_per_s = tokens_per_step / elapsed
         metrics = {
@@ -186,7 +188,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     log.close()
     full = engine.final_state_dict() if collect_state else {}
     state = {k: v.detach().cpu().clone() for k, v in full.items()}
-    return TrainResult(losses=losses, val_loss=val_loss, final_step=done, state_dict=state)
+    return TrainResult(losses=losses, val_loss=val_loss, final_step=done, state_dict=state, grad_norms=grad_norms)
 
 
 SCHEDULE_FIELDS = ("steps", "lr", "min_lr", "warmup_steps")

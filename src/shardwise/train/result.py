@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,3 +13,6 @@ class TrainResult:
     val_loss: float | None
     final_step: int
     state_dict: dict[str, torch.Tensor]
+    grad_norms: list[float] = field(default_factory=list)
+    """The pre-clip global gradient norm of every step (empty where the runner has no single global norm: the
+    parameter server's workers each measure their own)."""
