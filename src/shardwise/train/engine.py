@@ -182,7 +182,7 @@ class Engine:
             return OneStage(self.wrapper, precision, device)
         pipe = Pipeline(self.parts, self.mesh.ranks("pp"), p.pp_schedule, p.microbatches, self.cfg.model.d_model,
                         device=device, forward_context=lambda: autocast_context(precision, device.type),
-                        comm_stats=self.ledger["pp"])
+                        comm_stats=self.ledger["pp"], seq_shards=p.tp if p.sequence_parallel else 1)
         return PipelineSchedule(pipe, self.wrapper, self.mesh.group("pp"), self.mesh.ranks("pp"), p.pp_schedule,
                                 device)
 
