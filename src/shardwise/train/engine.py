@@ -241,7 +241,8 @@ class Engine:
         if self.mesh.size("cp") > 1:
             out.update(pop_attention_work(self.module))
         if self.cfg.model.n_experts:
-            out.update(moe_step_metrics(self.module, self.group, self.pp_group))
+            sp = self.tp_group if self.cfg.parallel.sequence_parallel else None
+            out.update(moe_step_metrics(self.module, self.group, self.pp_group, seq_group=sp))
         return out
 
     def write_timeline(self, run_dir: Path, step: int) -> None:
