@@ -220,6 +220,9 @@ def reference6(tmp_path_factory, cache_dir):
     ("cp2-ep2", 4, {"parallel.cp": 2, "parallel.ep": 2}),
     ("cp2-ep2-ulysses-noclip", 4, {"parallel.cp": 2, "parallel.ep": 2, "parallel.cp_algorithm": "ulysses",
                                    "train.grad_clip": 0}),
+    # ZeRO-3 with hpZ: dense units keep secondary partitions over 2 consecutive dp x cp ranks; expert units,
+    # sliced over their own replicas, gather from their primary slices
+    ("cp2-ep2-zero3-hpz2", 4, {"parallel.cp": 2, "parallel.ep": 2, "parallel.zero": 3, "parallel.zero_hpz": 2}),
 ])
 def test_experts_with_every_axis_equal_one_process(reference6, tmp_path, cache_dir, name, nproc, overrides):
     """Experts under sequence parallelism (each tp rank routes its sequence shard; the router's and experts'

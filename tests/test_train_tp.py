@@ -117,12 +117,25 @@ def test_tensor_parallel_stages_equal_one_process(tmp_path, cache_dir, name, mod
         assert measured == (2 * v - 1) * m * message + tied
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("zero", [1, 2])
 def test_zero_over_tensor_parallel_pieces_equals_one_process(single_process, tmp_path, cache_dir, zero):
     """tp 2 x dp 2 with ZeRO-1/2/3 over the data-parallel ranks of each tensor-parallel piece: the flat
     shards hold slices of sliced weights; the norm counts owned pieces over dp then tp."""
     result = run(tmp_path, cache_dir, f"tp2-z{zero}", 4, **{"parallel.tp": 2, "parallel.zero": zero})
     assert_same_training(result, single_process, atol=1e-5)
+
+
+def test_zero3_and_hpz_over_tensor_parallel_pieces_equal_one_process(single_process, tmp_path, cache_dir):
+    """tp 2 x dp 2 with ZeRO-3, and with ZeRO++ hpZ (parallel.zero_hpz 2): hpZ's groups are consecutive ranks of
+    each tensor-parallel rank's data-parallel group (not of the world, whose consecutive ranks are tp peers); a
+    unit's secondary partition lives from its forward to its backward gather, so the rank's parameter bytes grow."""
+    z3 = run(tmp_path, cache_dir, "tp2-z3", 4, **{"parallel.tp": 2, "parallel.zero": 3})
+    hpz = run(tmp_path, cache_dir, "tp2-z3-hpz2", 4, **{"parallel.tp": 2, "parallel.zero": 3, "parallel.zero_hpz": 2})
+    assert_same_training(z3, single_process, atol=1e-5)
+    assert_same_training(hpz, single_process, atol=1e-5)
+    params = [[r["mem_params_bytes"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").open())
+               if "mem_params_bytes" in r][0] for name in ("tp2-z3", "tp2-z3-hpz2")]
+    assert params[1] > params[0], params
 
 
 def test_zero_tp_checkpoint_resumes_on_plain_data_parallel(single_process, tmp_path, cache_dir):

@@ -174,6 +174,7 @@ class Engine:
                                 offload_dir=p.offload_dir or str(run_dir / "offload"),
                                 quant_weights=p.zero_quant_weights, quant_grads=p.zero_quant_grads,
                                 hpz_size=p.zero_hpz, comm_stats=self.ledger["dp"],
+                                hpz_group=self.mesh.subgroup("dp_cp", p.zero_hpz) if p.zero_hpz > 1 else None,
                                 param_init=self._param_init(), device=self.device, expert_group=expert_group)
 
     def _schedule(self):

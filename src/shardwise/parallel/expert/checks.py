@@ -40,9 +40,6 @@ def check(cfg: Config) -> None:
                           f"{'parallel.sequence_parallel=true' if p.sequence_parallel else f'parallel.cp={p.cp}'}: a "
                           "capacity ranks each expert's slots over the whole sequence, which is spread over ranks; "
                           "use model.moe_capacity_factor=0 (dropless)")
-    if p.ep > 1 and p.zero_hpz > 1:
-        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero_hpz={p.zero_hpz}: hpZ's secondary partitions "
-                          "span the data-parallel group, expert units do not (not composed); use parallel.zero_hpz=1")
     if m.n_experts and m.flavor == "bert":
         raise ConfigError(f"model.n_experts={m.n_experts} with model.flavor='bert': the experts are decoder "
                           "MLPs (GPT-2 or Llama); use model.n_experts=0 or another flavour")

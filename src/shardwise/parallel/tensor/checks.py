@@ -30,9 +30,6 @@ def check(cfg: Config) -> None:
         if m.dropout > 0:
             raise ConfigError(f"model.dropout={m.dropout} with parallel.tp={p.tp}: the tensor-parallel ranks would "
                               "draw correlated dropout masks (no per-rank RNG tracker yet); use model.dropout=0")
-        if p.zero and p.zero_hpz > 1:
-            raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} with parallel.tp={p.tp}: hpZ's node groups span "
-                              "the whole world, not one tensor-parallel rank's replicas; use parallel.zero_hpz=1")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true splits the sequence over the tensor-parallel ranks, "
                           "but parallel.tp=1; set parallel.tp > 1 or parallel.sequence_parallel=false")
