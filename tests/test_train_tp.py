@@ -75,30 +75,67 @@ def test_resume_across_tensor_parallel_layouts(single_process, tmp_path, cache_d
     the checkpoint holds the single-process state, so the result equals an uninterrupted single process."""
     run(tmp_path, cache_dir, "resumed", first[0], stop_after=6, **{"ckpt.every": 3, **first[1]})
     result = run(tmp_path, cache_dir, "resumed", then[0], **{"ckpt.every": 3, "ckpt.resume": True, **then[1]})
-    assert_same_training(([*single_process[0][:6], *result[0]], result[1]), single_process, atol=1e-5)
+    assert_same_training(([*single_process[0][:6], *result[0]], result[1], [*single_process[2][:6], *result[2]]),
+                         single_process, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,schedule", [
-    ("tp2-pp2", {}),
-    ("tp2-pp2-interleaved", {"parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2}),
+SP = {"parallel.sequence_parallel": True}
+ZB = {"parallel.pp_schedule": "zb-h1"}
+INTERLEAVED = {"parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2}
+LLAMA_KV1 = {"model.preset": "tiny-llama", "model.n_kv_heads": 1}  # tp 2 > 1 kv head: both ranks hold it
+
+
+@pytest.mark.parametrize("name,model,layout", [
+    ("tp2-pp2", {}, {}),
+    ("tp2-pp2-interleaved", {}, INTERLEAVED),
+    ("tp2-pp2-sp-interleaved-noclip", {"train.grad_clip": 0}, {**SP, **INTERLEAVED}),
+    ("llama-kv1-tp2-pp2-sp-zb-h1", LLAMA_KV1, {**SP, **ZB}),
 ])
-def test_tensor_parallel_stages_equal_one_process(tmp_path, cache_dir, name, schedule):
+def test_tensor_parallel_stages_equal_one_process(tmp_path, cache_dir, name, model, layout):
     """tp 2 x pp 2 (4 ranks): every stage is rewritten by the same parallelize() as a whole model; the
     tied GPT-2 table's gradient is exchanged between the first and last stage of each tensor-parallel
-    rank (both hold the same vocabulary rows); the gradient norm counts owned pieces over tp and pp."""
-    layers = {"model.n_layers": 4}
-    ref = run(tmp_path, cache_dir, "ref", 1, **layers)
-    pp = run(tmp_path, cache_dir, name, 4, **{"parallel.tp": 2, "parallel.pp": 2,
-                                             "parallel.microbatches": 4, **layers, **schedule})
+    rank (both hold the same vocabulary rows); the gradient norm counts owned pieces over tp and pp.
+    With sequence parallelism stages exchange this rank's 1/tp of the tokens (Megatron's TP+SP+PP): the
+    bytes sent equal the planner's pp_sent_bytes, half of the whole-sequence ones at tp 2. zb-h1 defers
+    the column / row / vocabulary-parallel layers' weight gradients to its W actions, where the replicated
+    key/value head's gradient hook (llama, tp 2 > n_kv_heads 1) sums the replicas' parts."""
+    from shardwise.config import Config
+    from shardwise.plan.compare import measured_for_run, predicted_for_run
+
+    base = {"model.n_layers": 4, "train.steps": 6, **model}
+    ref = run(tmp_path, cache_dir, "ref", 1, **base)
+    pp = run(tmp_path, cache_dir, name, 4, **{"parallel.tp": 2, "parallel.pp": 2, "parallel.microbatches": 4,
+                                             **base, **layout})
     assert_same_training(pp, ref, atol=1e-5)
+    cfg = Config.load(tmp_path / name / "config.toml")
+    predicted, measured = predicted_for_run(cfg)["pp_sent_bytes"], measured_for_run(tmp_path / name)["pp_sent_bytes"]
+    assert measured == predicted, (measured, predicted)
+    if cfg.parallel.sequence_parallel:  # rank 0 sends (2v - 1) m activations of b (s / tp) h fp32, and its tied rows
+        v, m = cfg.parallel.pp_virtual, cfg.parallel.microbatches
+        message = cfg.train.micro_batch * cfg.data.seq_len // 2 * cfg.model.d_model * 4
+        tied = -(-cfg.model.vocab_size // 2) * cfg.model.d_model * 4 if cfg.model.tie_embeddings else 0  # its rows
+        assert measured == (2 * v - 1) * m * message + tied
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("zero", [1, 2])
 def test_zero_over_tensor_parallel_pieces_equals_one_process(single_process, tmp_path, cache_dir, zero):
     """tp 2 x dp 2 with ZeRO-1/2/3 over the data-parallel ranks of each tensor-parallel piece: the flat
     shards hold slices of sliced weights; the norm counts owned pieces over dp then tp."""
     result = run(tmp_path, cache_dir, f"tp2-z{zero}", 4, **{"parallel.tp": 2, "parallel.zero": zero})
     assert_same_training(result, single_process, atol=1e-5)
+
+
+def test_zero3_and_hpz_over_tensor_parallel_pieces_equal_one_process(single_process, tmp_path, cache_dir):
+    """tp 2 x dp 2 with ZeRO-3, and with ZeRO++ hpZ (parallel.zero_hpz 2): hpZ's groups are consecutive ranks of
+    each tensor-parallel rank's data-parallel group (not of the world, whose consecutive ranks are tp peers); a
+    unit's secondary partition lives from its forward to its backward gather, so the rank's parameter bytes grow."""
+    z3 = run(tmp_path, cache_dir, "tp2-z3", 4, **{"parallel.tp": 2, "parallel.zero": 3})
+    hpz = run(tmp_path, cache_dir, "tp2-z3-hpz2", 4, **{"parallel.tp": 2, "parallel.zero": 3, "parallel.zero_hpz": 2})
+    assert_same_training(z3, single_process, atol=1e-5)
+    assert_same_training(hpz, single_process, atol=1e-5)
+    params = [[r["mem_params_bytes"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").open())
+               if "mem_params_bytes" in r][0] for name in ("tp2-z3", "tp2-z3-hpz2")]
+    assert params[1] > params[0], params
 
 
 def test_zero_tp_checkpoint_resumes_on_plain_data_parallel(single_process, tmp_path, cache_dir):
@@ -107,7 +144,8 @@ def test_zero_tp_checkpoint_resumes_on_plain_data_parallel(single_process, tmp_p
     run(tmp_path, cache_dir, "resumed", 4, stop_after=6,
         **{"ckpt.every": 3, "parallel.tp": 2, "parallel.zero": 3})
     result = run(tmp_path, cache_dir, "resumed", 2, **{"ckpt.every": 3, "ckpt.resume": True})
-    assert_same_training(([*single_process[0][:6], *result[0]], result[1]), single_process, atol=1e-5)
+    assert_same_training(([*single_process[0][:6], *result[0]], result[1], [*single_process[2][:6], *result[2]]),
+                         single_process, atol=1e-5)
 
 
 def test_three_axes_with_zero1_equal_one_process(tmp_path, cache_dir):

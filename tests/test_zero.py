@@ -243,7 +243,8 @@ def test_quantized_communication(two_ranks, name):
     ({"parallel.zero_quant_grads": "true"}, r"zero_quant_grads=true needs ZeRO"),
     ({"parallel.zero": "3", "parallel.zero_unit": "0"}, r"parallel.zero_unit"),
     ({"parallel.zero": "2", "parallel.zero_hpz": "2"}, r"zero_hpz=2 partitions ZeRO-3's .* set parallel.zero=3"),
-    ({"parallel.zero": "3", "parallel.zero_hpz": "3"}, r"zero_hpz=3 does not divide parallel.dp=2; use one of 1, 2"),
+    ({"parallel.zero": "3", "parallel.zero_hpz": "3"},
+     r"zero_hpz=3 does not divide parallel.dp\*cp=2; use one of 1, 2"),
     ({"parallel.zero": "3", "parallel.zero_hpz": "0"}, r"parallel.zero_hpz"),
 ])
 def test_invalid_zero_settings_are_rejected(overrides, message):

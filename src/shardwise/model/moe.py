@@ -98,9 +98,10 @@ class Experts(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x, e)) * self.up_proj(x, e), e)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Tokens ``x`` sorted by expert, ``counts[e]`` of them for expert ``e``: the outputs in the same order."""
-        outs = [self.expert(e, chunk) for e, chunk in enumerate(x.split(counts)) if chunk.shape[0]]
-        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+        """Tokens ``x`` sorted by expert, ``counts[e]`` of them for expert ``e``: the outputs in the same order.
+        Every expert runs, on no tokens too, so every weight is in the graph whatever the routing: its
+        gradient (zero) and the hooks on it come in every backward."""
+        return torch.cat([self.expert(e, chunk) for e, chunk in enumerate(x.split(counts))])
 
 
 @dataclass
@@ -221,10 +222,16 @@ class MoE(nn.Module):
         out = combine(y, routing, h.shape[0]).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared(h)
-        aux, z = load_balancing_loss(probs, routing.routed), router_z_loss(logits)
+        aux, z = self.router_losses(probs, logits, routing.routed)
         self.aux_loss = self.aux_coeff * aux + self.z_coeff * z
         self.last = (routing, aux, z)
         return out.view(shape)
+
+    def router_losses(self, probs: torch.Tensor, logits: torch.Tensor, routed: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unweighted load-balancing and z losses over this forward's tokens. (Where one sequence's tokens
+        are spread over ranks, :mod:`shardwise.parallel.expert.sequence` replaces it on the instance.)"""
+        return load_balancing_loss(probs, routed), router_z_loss(logits)
 
     def record(self) -> None:
         """Add the last forward's routing to :attr:`stats` (the model calls it once per training forward)."""

@@ -10,7 +10,9 @@ for Llama does the same; DESIGN.md "How layouts compose"):
    axis, positions and the loss follow the rank's share of the sequence
    (:func:`shardwise.parallel.context.apply_context_parallel`); expert parallelism over the ``ep`` axis
    (GShard, Lepikhin et al. 2021): each MoE block keeps its share of the experts and reaches them by
-   all-to-all (:func:`shardwise.parallel.expert.dispatch.apply_expert_parallel`);
+   all-to-all (:func:`shardwise.parallel.expert.dispatch.apply_expert_parallel`); where a sequence's tokens
+   are spread over tp (sequence parallel) or cp ranks, the MoE blocks' router losses are taken over the whole
+   sequence (:func:`shardwise.parallel.expert.sequence.shard_router_losses`);
 3. activation recomputation, full or selective (:mod:`shardwise.parallel.recompute`), around what the
    previous steps produced;
 4. ``torch.compile`` of each block (``train.compile``, :mod:`shardwise.parallel.compile`);
@@ -29,6 +31,7 @@ from shardwise.dist.mesh import Mesh
 from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.context import apply_context_parallel
 from shardwise.parallel.expert.dispatch import all_to_all_algorithm, apply_expert_parallel
+from shardwise.parallel.expert.sequence import shard_router_losses
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.tensor.plan import apply_tensor_parallel
 
@@ -42,6 +45,10 @@ def parallelize(part: nn.Module, mesh: Mesh, cfg, ledger: CommLedger) -> nn.Modu
                               sequence_parallel=cfg.parallel.sequence_parallel, cfg=cfg.model)
     if mesh.size("cp") > 1:
         apply_context_parallel(part, mesh, cfg, ledger["cp"])
+    sp = cfg.parallel.sequence_parallel and mesh.size("tp") > 1
+    if sp or mesh.size("cp") > 1:  # a MoE block's router losses over the whole sequence its tokens belong to
+        shard_router_losses(part, mesh.group("tp") if sp else None,
+                            mesh.group("cp") if mesh.size("cp") > 1 else None, mesh.size("cp"), ledger["ep"])
     if mesh.size("ep") > 1:
         apply_expert_parallel(part, mesh.group("ep"), ledger["ep"], all_to_all_algorithm(cfg.comm),
                               cfg.comm.timeout_s or None)

@@ -262,14 +262,18 @@ def pipeline_sent_bytes(m: ModelSpec, lay: Layout, s: int, act_bytes: int = FP32
     Rank 0 holds stages c·p for chunks c = 0..v−1 (Narayanan et al. 2021 §2.2.2). Per micro-batch
     each of them that is not the last stage sends its output activation forward (all v when p > 1),
     and each that is not stage 0 sends its input's gradient back (v − 1): (2v − 1)·m messages of
-    [micro_batch, s, d_model]. They travel in **fp32** (``act_bytes``) whatever ``train.precision``
-    is: the trainer's residual stream stays fp32 under ``torch.autocast``, and the executor sends in
-    its ``act_dtype`` (fp32). With tied embeddings (GPT-2 flavour) stage 0 and the last stage add
-    their copies' gradients once per step (Press & Wolf 2017; the tied copies of Megatron-LM,
-    Narayanan et al. 2021 §3): rank 0 sends vocab·d_model gradient elements (``grad_bytes``)."""
+    [micro_batch, s / cp, d_model] -- [micro_batch, s / (cp·tp), d_model] with sequence parallelism, whose
+    residual stream between blocks is split along the sequence (Korthikanti et al. 2022 §4.2.2). They
+    travel in **fp32** (``act_bytes``) whatever ``train.precision`` is: the trainer's residual stream
+    stays fp32 under ``torch.autocast``, and the executor sends in its ``act_dtype`` (fp32). With tied
+    embeddings (GPT-2 flavour) stage 0 and the last stage add their copies' gradients once per step (Press &
+    Wolf 2017; the tied copies of Megatron-LM, Narayanan et al. 2021 §3): rank 0 sends its vocabulary rows'
+    gradient, ceil(vocab / tp)·d_model elements (``grad_bytes``; the table is split over the tensor-parallel
+    ranks, padded to equal pieces)."""
     p, v, mb = lay.pp, lay.pp_virtual, lay.grad_accum
     if p <= 1:
         return 0.0
-    message = lay.micro_batch * (s // lay.cp) * m.d_model * act_bytes
-    tied = m.vocab_size * m.d_model * grad_bytes if m.tie_embeddings else 0
+    tokens = s // lay.cp // (lay.tp if lay.sequence_parallel else 1)  # sequence parallel: this rank's 1/tp
+    message = lay.micro_batch * tokens * m.d_model * act_bytes
+    tied = -(-m.vocab_size // lay.tp) * m.d_model * grad_bytes if m.tie_embeddings else 0  # this rank's vocab rows
     return float((2 * v - 1) * mb * message + tied)

@@ -174,6 +174,7 @@ class Engine:
                                 offload_dir=p.offload_dir or str(run_dir / "offload"),
                                 quant_weights=p.zero_quant_weights, quant_grads=p.zero_quant_grads,
                                 hpz_size=p.zero_hpz, comm_stats=self.ledger["dp"],
+                                hpz_group=self.mesh.subgroup("dp_cp", p.zero_hpz) if p.zero_hpz > 1 else None,
                                 param_init=self._param_init(), device=self.device, expert_group=expert_group)
 
     def _schedule(self):
@@ -182,7 +183,7 @@ class Engine:
             return OneStage(self.wrapper, precision, device)
         pipe = Pipeline(self.parts, self.mesh.ranks("pp"), p.pp_schedule, p.microbatches, self.cfg.model.d_model,
                         device=device, forward_context=lambda: autocast_context(precision, device.type),
-                        comm_stats=self.ledger["pp"])
+                        comm_stats=self.ledger["pp"], seq_shards=p.tp if p.sequence_parallel else 1)
         return PipelineSchedule(pipe, self.wrapper, self.mesh.group("pp"), self.mesh.ranks("pp"), p.pp_schedule,
                                 device)
 
@@ -241,7 +242,8 @@ class Engine:
         if self.mesh.size("cp") > 1:
             out.update(pop_attention_work(self.module))
         if self.cfg.model.n_experts:
-            out.update(moe_step_metrics(self.module, self.group, self.pp_group))
+            sp = self.tp_group if self.cfg.parallel.sequence_parallel else None
+            out.update(moe_step_metrics(self.module, self.group, self.pp_group, seq_group=sp))
         return out
 
     def write_timeline(self, run_dir: Path, step: int) -> None:

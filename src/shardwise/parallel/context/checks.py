@@ -26,9 +26,6 @@ def check(cfg: Config) -> None:
     if m.dropout > 0:
         raise ConfigError(f"model.dropout={m.dropout} with parallel.cp={p.cp}: context-parallel attention has no "
                           "attention dropout; use model.dropout=0")
-    if p.zero_hpz > 1:
-        raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} with parallel.cp={p.cp}: hpZ's node groups are cut from "
-                          "the dp ranks, but ZeRO shards over dp x cp; use parallel.zero_hpz=1")
     if p.cp_algorithm == "ulysses":
         heads, kv = m.n_heads // p.tp, max(m.n_kv_heads // p.tp, 1)
         if heads % p.cp:

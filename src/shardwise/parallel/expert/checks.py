@@ -35,16 +35,11 @@ def check(cfg: Config) -> None:
                           f"use one of {divisors(m.n_experts)}")
     if p.dp % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}; use one of {divisors(p.dp)}")
-    if m.n_experts and p.sequence_parallel:
-        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.sequence_parallel=true: MoE blocks stay whole "
-                          "on every tensor-parallel rank and would see only their sequence shard (not composed "
-                          "yet); use parallel.sequence_parallel=false")
-    if p.ep > 1 and p.zero_hpz > 1:
-        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero_hpz={p.zero_hpz}: hpZ's secondary partitions "
-                          "span the data-parallel group, expert units do not (not composed); use parallel.zero_hpz=1")
-    if m.n_experts and p.cp > 1:
-        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.cp={p.cp}: the load-balancing loss of a "
-                          "sequence shard is not that of the whole sequence (not composed yet); use parallel.cp=1")
+    if m.n_experts and m.moe_capacity_factor and (p.sequence_parallel or p.cp > 1):
+        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} with "
+                          f"{'parallel.sequence_parallel=true' if p.sequence_parallel else f'parallel.cp={p.cp}'}: a "
+                          "capacity ranks each expert's slots over the whole sequence, which is spread over ranks; "
+                          "use model.moe_capacity_factor=0 (dropless)")
     if m.n_experts and m.flavor == "bert":
         raise ConfigError(f"model.n_experts={m.n_experts} with model.flavor='bert': the experts are decoder "
                           "MLPs (GPT-2 or Llama); use model.n_experts=0 or another flavour")

@@ -88,6 +88,8 @@ class ExpertParallel(Experts):
                 piece = nn.Parameter(p.detach()[start:stop].clone(), requires_grad=p.requires_grad)
                 tp = getattr(p, "tp_shard", None)  # with tensor parallelism: a copy on every tp rank
                 piece.ep_shard = TPShard("ep", 0, tuple(p.shape), start, stop, owner=tp is None or tp.owner)
+                for hook in (getattr(p, "_backward_hooks", None) or {}).values():
+                    piece.register_hook(hook)  # sequence parallelism's sum over tp of the partial gradient
                 setattr(local, pname, piece)
             if not hasattr(local, "bias"):
                 local.bias = None
@@ -103,9 +105,7 @@ class ExpertParallel(Experts):
         out_splits = got.sum(1).tolist()
         arrived = dispatch(x, out_splits, in_splits, self.group, self.algorithm, self.stats, self.timeout_s)
         perm = _expert_major(got)
-        y = super().forward(arrived[perm.to(arrived.device)], got.sum(0).tolist())
-        if y.shape[0] == 0:  # no tokens for these experts: stay in the graph, so backward's all-to-alls run here too
-            y = arrived[:0]
+        y = super().forward(arrived[perm.to(arrived.device)], got.sum(0).tolist())  # in the graph with no tokens too
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel())
         return dispatch(y[back.to(y.device)], in_splits, out_splits, self.group, self.algorithm, self.stats,
@@ -141,12 +141,19 @@ def all_to_all_algorithm(comm_cfg) -> str:
 
 
 def step_metrics(model: nn.Module, group: dist.ProcessGroup | None,
-                 pp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+                 pp_group: dist.ProcessGroup | None = None, seq_group: dist.ProcessGroup | None = None
+                 ) -> dict[str, float]:
     """The step's router metrics over the whole global batch: every data-parallel rank's sums (its own
     tokens) added over ``group`` (a collective where the model has MoE blocks), then
     :func:`shardwise.model.moe.moe_metrics`. ``pp_group`` (a collective on every stage, with or without
-    MoE blocks): each stage's blocks joined, their sums added."""
+    MoE blocks): each stage's blocks joined, their sums added. ``seq_group`` (sequence parallelism's tp
+    group): its ranks routed different tokens of the same sequences, so their slot counts are added too
+    (the losses each of them holds are already the whole sequence's)."""
     totals = pop_moe_totals(model)
+    if totals is not None and seq_group is not None and dist.get_world_size(seq_group) > 1:
+        counts = totals[:-3].clone()  # slots per expert, routed, dropped; not the losses nor the forwards
+        dist.all_reduce(counts, group=seq_group)
+        totals[:-3] = counts
     if totals is not None and group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(totals, group=group)
     if pp_group is not None:

@@ -71,8 +71,11 @@ class Pipeline:
       weight gradients to :attr:`weight_grads`
       (:func:`~shardwise.parallel.pipeline.zero_bubble.defer_linear_weight_grads`).
     * ``d_model`` / ``act_dtype``: an activation of a micro-batch of inputs ``[b, t]`` is
-      ``[b, t, d_model]`` of ``act_dtype`` -- known on every rank, so nothing is exchanged but data.
-      Activations and their gradients travel in ``act_dtype`` whatever dtype a stage computes in.
+      ``[b, t / seq_shards, d_model]`` of ``act_dtype`` -- known on every rank, so nothing is exchanged but
+      data. Activations and their gradients travel in ``act_dtype`` whatever dtype a stage computes in.
+      ``seq_shards``: with sequence parallelism (Korthikanti et al. 2022 §4.2.2) a stage's output is this
+      rank's ``t / tp`` tokens -- the residual stream between blocks is sequence-split -- so stages exchange
+      1/tp of the whole-sequence bytes, as in Megatron.
     * ``forward_context``: a context-manager factory entered around every forward computation
       (e.g. ``torch.autocast`` for mixed precision; backward runs outside it, as torch recommends).
     * ``loss_scale``: the last stage multiplies each micro-batch's ``loss / m`` by it before backward
@@ -85,7 +88,7 @@ class Pipeline:
                  n_microbatches: int, d_model: int, act_dtype: torch.dtype = torch.float32,
                  group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
                  forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 comm_stats: CommStats | None = None):
+                 comm_stats: CommStats | None = None, seq_shards: int = 1):
         self.chunks = list(chunks)
         self.p, self.v, self.m = len(stage_ranks), len(self.chunks), n_microbatches
         check_schedule(schedule, self.p, n_microbatches, self.v)
@@ -96,6 +99,7 @@ class Pipeline:
         self.n_stages = self.p * self.v
         self.actions = build_schedule(schedule, self.p, n_microbatches, self.v)[self.rank]
         self.d_model, self.act_dtype, self.device = d_model, act_dtype, torch.device(device)
+        self.seq_shards = seq_shards
         self.timeline = Timeline(self.rank)
         self.plan = _plan(self.actions)
         self.split_backward = any(a.kind == W for a in self.actions)
@@ -117,6 +121,13 @@ class Pipeline:
         for chunk in self.chunks:
             yield from chunk.parameters()
 
+    def activation_shape(self, input_shape: Sequence[int]) -> tuple[int, int, int]:
+        """What passes between stages for inputs ``[b, t]``: ``[b, t / seq_shards, d_model]``."""
+        b, t = input_shape
+        if t % self.seq_shards:
+            raise ValueError(f"a sequence of {t} tokens does not split over {self.seq_shards} sequence-parallel ranks")
+        return b, t // self.seq_shards, self.d_model
+
     def stage(self, chunk: int) -> int:
         return chunk * self.p + self.rank
 
@@ -127,7 +138,7 @@ class Pipeline:
         last reads ``targets``."""
         x_mbs = split_microbatches(inputs, self.m)
         y_mbs = split_microbatches(targets, self.m)
-        act_shape = (*x_mbs[0].shape, self.d_model)
+        act_shape = self.activation_shape(x_mbs[0].shape)
         tl = self.timeline = Timeline(self.rank)
         tl.start = time.perf_counter()
         self.weight_grads.clear()
@@ -228,7 +239,7 @@ class Pipeline:
     def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """The loss of ``inputs``/``targets`` without gradients (validation): the whole batch passes
         the stages in order, one at a time. Returns the loss on the rank holding the last stage, else None."""
-        act_shape = (*inputs.shape, self.d_model)
+        act_shape = self.activation_shape(inputs.shape)
         x: torch.Tensor | None = None
         for s in range(self.n_stages):
             owner, chunk = s % self.p, s // self.p

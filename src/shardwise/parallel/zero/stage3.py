@@ -55,8 +55,10 @@ class Stage3Hooks:
                     unit.gather_work = self._all_gather_work(unit, unit.shard)
                     handed = nbytes(unit.full)
                 self.comm_stats.hand(handed, backend=self.quant_weights or not self.direct_exchange)
-                self.hpz.count(unit, phase, within_node=False, nbytes=handed)
-                keep = self.hpz.enabled and phase == "forward" and unit.index > 0 and torch.is_grad_enabled()
+                dense = unit.group is self.group  # expert units, sliced over their replicas, keep no secondary
+                if dense:
+                    self.hpz.count(unit, phase, within_node=False, nbytes=handed)
+                keep = self.hpz.enabled and dense and phase == "forward" and unit.index > 0 and torch.is_grad_enabled()
                 unit.after_gather = self.hpz.keep if keep else None
         if wait and unit.gather_work is not None:
             self._finish_gather(unit)

@@ -154,9 +154,6 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             raise ValueError(f"stage={stage}: ZeroDataParallel implements stages 1, 2 and 3")
         if hpz_size != 1 and stage != 3:
             raise ValueError(f"hpz_size={hpz_size} partitions ZeRO-3's parameters; use stage=3 or hpz_size=1")
-        if expert_group is not None and hpz_size != 1:
-            raise ValueError(f"hpz_size={hpz_size} with expert_group: secondary partitions are over the "
-                             "data-parallel group, expert units are not; use hpz_size=1")
         self.module = module
         self.group = group
         self.expert_group = expert_group
