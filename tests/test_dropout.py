@@ -112,7 +112,7 @@ def test_masks_under_tp4_cp2_pp2_are_the_one_process_masks_and_no_rank_allocates
         whole[("attn_out", blk.layer_id)] = blk.drop_attn(x_all, key) != 0
         whole[("mlp_out", blk.layer_id)] = blk.drop_mlp(x_all, key) != 0
         drop = blk.attn.dropout_of(key, m.n_heads, None)
-        whole[("attn_probs", blk.layer_id)] = drop.keep(b, positions, positions, t_all)
+        whole[("attn_probs", blk.layer_id)] = drop.keep(b, positions, positions, t_all, causal=True)
     drawn = {site: torch.zeros(mask.shape, dtype=torch.int64) for site, mask in whole.items()}
     split = even_split(m.n_layers, pp)
     for stage_id in range(pp):

@@ -92,19 +92,29 @@ def keep_scale(p: float) -> float:
 
 
 def keep_mask(p: float, key: DropoutKey, layer: int, site: str, index: Sequence[torch.Tensor],
-              extents: Sequence[int]) -> torch.Tensor:
+              extents: Sequence[int], causal: bool = False) -> torch.Tensor:
     """The keep mask (bool, ``[len(i) for i in index]``) of the elements at global ``index``: ``index[0]``
     the sequences' places in the global batch, ``index[j]`` the global indices along axis ``j`` of the
     site's tensor, whose global length is ``extents[j - 1]``. Element ``(i_0, .., i_n)`` has the global
-    index ``(..((i_0 e_1 + i_1) e_2 + i_2)..) e_n + i_n``."""
+    index ``(..((i_0 e_1 + i_1) e_2 + i_2)..) e_n + i_n``.
+
+    ``causal``: the last two axes are query and key positions and only keys at or before their query are
+    read (causal attention, whose probabilities elsewhere are zero): the others come back False, and the
+    Philox calls that hold none of the read ones are skipped (half of a causal attention's)."""
     shape = [len(i) for i in index]
     last, e_last = index[-1], extents[-1]
+    read = (last.unsqueeze(0) <= index[-2].unsqueeze(1)) if causal else None  # [queries, keys]
     if _aligned(last, e_last):  # every 8 local elements along the last axis are one Philox call's
-        blocks = _linear([*index[:-1], last[::LANES] // LANES], [*extents[:-1], e_last // LANES])
-        return _keep_blocks(blocks.flatten(), p, key, layer, site).view(shape)
+        blocks = _linear([*index[:-1], last[::LANES] // LANES], [*extents[:-1], e_last // LANES]).flatten()
+        if read is None:
+            return _keep_blocks(blocks, p, key, layer, site).view(shape)
+        calls = read[:, ::LANES].expand(*shape[:-1], shape[-1] // LANES).flatten().nonzero().squeeze(1)
+        keep = torch.zeros(len(blocks), dtype=torch.int64, device=blocks.device)  # a call's 8 bools as one int64
+        keep[calls] = _keep_blocks(blocks[calls], p, key, layer, site).view(torch.int64).squeeze(1)
+        return keep.view(torch.bool).view(shape) & read  # (a call is read when its first, earliest key is)
     g = _linear(index, extents).flatten()  # otherwise: each element's call, and its lane of the eight
-    keep = _keep_blocks(g // LANES, p, key, layer, site)
-    return keep.gather(1, (g % LANES).unsqueeze(1)).view(shape)
+    keep = _keep_blocks(g // LANES, p, key, layer, site).gather(1, (g % LANES).unsqueeze(1)).view(shape)
+    return keep if read is None else keep & read
 
 
 def _aligned(last: torch.Tensor, extent: int) -> bool:
@@ -189,12 +199,14 @@ class AttentionDropout:
     heads: Span
 
     def keep(self, batch: int, queries: torch.Tensor, keys: torch.Tensor, seq_len: int,
-             heads: torch.Tensor | None = None) -> torch.Tensor:
+             heads: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
         """``[batch, H, len(queries), len(keys)]`` bool for query and key positions (global, in a sequence of
-        ``seq_len``) of ``heads`` (global ids; default all of :attr:`heads`)."""
+        ``seq_len``) of ``heads`` (global ids; default all of :attr:`heads`); ``causal``: keys after their
+        query are not drawn (False: their probabilities are zero), see :func:`keep_mask`."""
         seqs = self.key.first_sequence + torch.arange(batch, device=queries.device)
         index = [seqs, self.heads.index if heads is None else heads, queries, keys]
-        return keep_mask(self.p, self.key, self.layer, "attn_probs", index, [self.heads.extent, seq_len, seq_len])
+        return keep_mask(self.p, self.key, self.layer, "attn_probs", index, [self.heads.extent, seq_len, seq_len],
+                         causal)
 
 
 def dropped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, p: float, *,

@@ -186,8 +186,9 @@ class Attention(nn.Module):
         if drop is not None:
             t = q.shape[2]
             positions = torch.arange(t, device=q.device)
-            keep = drop.keep(q.shape[0], positions, positions, t)
-            return dropped_attention(q, k, v, keep, drop.p, causal=self.causal and mask is None, mask=mask)
+            causal = self.causal and mask is None
+            keep = drop.keep(q.shape[0], positions, positions, t, causal=causal)
+            return dropped_attention(q, k, v, keep, drop.p, causal=causal, mask=mask)
         return F.scaled_dot_product_attention(
             q,
             k,

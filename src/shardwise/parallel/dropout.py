@@ -50,8 +50,6 @@ def attention_heads(n_heads: int, tp: int = 1, tp_rank: int = 0, device=None) ->
 def place_dropout(part: nn.Module, mesh, cfg) -> None:
     """Tell every dropout site of ``part`` (a model or a pipeline stage, after tensor and context parallelism
     rewrote it) which tokens and heads this rank holds. Nothing to do without dropout or on one process."""
-    from shardwise.model.layers import Attention
-
     p, m = cfg.parallel, cfg.model
     tp, cp = mesh.size("tp"), mesh.size("cp")
     if not m.dropout or (cp == 1 and not p.sequence_parallel and tp == 1):
@@ -62,6 +60,14 @@ def place_dropout(part: nn.Module, mesh, cfg) -> None:
         tokens = stream_tokens(cfg.data.seq_len, cp, mesh.rank("cp"), p.cp_balance, tp, mesh.rank("tp"),
                                p.sequence_parallel, device)
     heads = attention_heads(m.n_heads, tp, mesh.rank("tp"), device) if tp > 1 else None
+    hold(part, tokens, heads)
+
+
+def hold(part: nn.Module, tokens: Span | None, heads: Span | None) -> None:
+    """Say that ``part``'s residual stream holds ``tokens`` and its attentions hold the query ``heads`` (None:
+    all of them)."""
+    from shardwise.model.layers import Attention
+
     for module in part.modules():
         if isinstance(module, Dropout) and module.site != "classifier":
             module.tokens = tokens

@@ -54,7 +54,7 @@ def block_keep(core, drop, batch: int, t: int, src: int, pair, device=None) -> t
     ``src``'s keys: drawn for their global positions (the all-gather core draws the same blocks)."""
     queries = core.layout.positions(t, device=device)[pair.q]
     keys = core.layout.positions(t, rank=src, device=device)[pair.kv]
-    return drop.keep(batch, queries, keys, t * core.size)
+    return drop.keep(batch, queries, keys, t * core.size, causal=core.causal)
 
 
 class RingAttentionFunction(torch.autograd.Function):

@@ -83,7 +83,7 @@ def ulysses_keep(core, drop, batch: int, heads: int, t: int, device=None) -> tor
     per = heads // core.size
     mine = drop.heads.index.to(device)[core.rank * per:(core.rank + 1) * per]
     every = torch.arange(core.size * t, device=device)
-    return drop.keep(batch, every, every, core.size * t, heads=mine)
+    return drop.keep(batch, every, every, core.size * t, heads=mine, causal=core.causal)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, drop=None) -> torch.Tensor:
