@@ -91,6 +91,7 @@ def keep_scale(p: float) -> float:
     return 65536 / (65536 - threshold(p))
 
 
+@torch.compiler.disable  # under torch.compile: drawn eagerly (TorchInductor cannot build CPU code for its integer ops)
 def keep_mask(p: float, key: DropoutKey, layer: int, site: str, index: Sequence[torch.Tensor],
               extents: Sequence[int], causal: bool = False) -> torch.Tensor:
     """The keep mask (bool, ``[len(i) for i in index]``) of the elements at global ``index``: ``index[0]``
