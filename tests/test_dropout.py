@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,11 +33,11 @@ KAT = [  # Random123 tests/kat_vectors, philox4x32 10: counter, key, output
 
 
 def test_philox_matches_the_random123_known_answers():
-    counters = [torch.tensor([c[i] for c, _, _ in KAT[:1] * 3]) for i in range(4)]  # vectorised: 3 equal lanes
     for counter, key, expected in KAT:
-        words = philox4x32(tuple(torch.tensor([w] * 3) for w in counter), key)
-        assert [int(w[0]) for w in words] == list(expected) and all(len(set(w.tolist())) == 1 for w in words)
-    assert [int(w[1]) for w in philox4x32(tuple(counters), (0, 0))] == list(KAT[0][2])
+        assert [int(w) for w in philox4x32(tuple(torch.tensor([c]) for c in counter), key)] == list(expected)
+    # vectorised: a lane's words do not depend on its neighbours (all-zero counter beside the all-ones one)
+    lanes = tuple(torch.tensor([a, b]) for a, b in zip(KAT[0][0], KAT[1][0], strict=True))
+    assert [int(w[0]) for w in philox4x32(lanes, KAT[0][1])] == list(KAT[0][2])
 
 
 def test_a_slice_of_the_mask_is_the_mask_of_the_slice():
@@ -83,25 +85,46 @@ class FakeMesh:
         return self.axes.get(axis, (1, 0))[1]
 
 
+def attention_pieces(algorithm: str, core, drop, batch: int, t: int, heads_here: int):
+    """``(draw, global heads, query positions, key positions)`` of every piece of an attention-probability mask
+    a context-parallel rank draws: the ring's blocks (all-gather draws the same), or Ulysses' heads."""
+    from shardwise.parallel.context.blocks import block_pair
+    from shardwise.parallel.context.ring import block_keep
+    from shardwise.parallel.context.ulysses import ulysses_keep
+
+    layout, cp = core.layout, core.size
+    if algorithm == "ulysses":
+        per = heads_here // cp
+        every = torch.arange(cp * t)
+        return [(functools.partial(ulysses_keep, core, drop, batch, heads_here, t),
+                 drop.heads.index[core.rank * per:(core.rank + 1) * per], every, every)]
+    pieces = []
+    for src in range(cp):
+        pair = block_pair(core.rank, src, t, layout.balance)
+        pieces.append((functools.partial(block_keep, core, drop, batch, t, src, pair), drop.heads.index,
+                       layout.positions(t)[pair.q], layout.positions(t, rank=src)[pair.kv]))
+    return pieces
+
+
 @pytest.mark.parametrize("algorithm", ["ring", "ulysses"])
 def test_masks_under_tp4_cp2_pp2_are_the_one_process_masks_and_no_rank_allocates_more_than_its_slice(algorithm):
+    """Every rank of tp 4 x cp 2 x pp 2 (sequence parallel), simulated in this process by the placement the
+    engine applies (place_dropout on each pipeline stage, the cp cores' own drawing functions)."""
     from shardwise.config import Config
     from shardwise.config_resolve import resolve
     from shardwise.model import Transformer
-    from shardwise.parallel.context.blocks import block_pair
     from shardwise.parallel.context.core import ContextAttention
     from shardwise.parallel.context.layout import SequenceLayout
-    from shardwise.parallel.context.ring import block_keep
-    from shardwise.parallel.context.ulysses import ulysses_keep
     from shardwise.parallel.dropout import place_dropout
     from shardwise.parallel.pipeline.partition import build_stage, even_split
 
     tp, cp, pp = 4, 2, 2
     cfg = resolve(Config.load(overrides={
-        "model.preset": "custom", "model.flavor": "gpt2", "model.n_layers": "2", "model.d_model": "64", "model.n_heads": "8",
-        "model.max_seq_len": "64", "model.dropout": "0.1", "data.seq_len": "64", "parallel.nproc": str(tp * cp),
-        "parallel.tp": str(tp), "parallel.cp": str(cp), "parallel.sequence_parallel": "true",
-        "parallel.cp_algorithm": algorithm}), tokenizer_vocab=256)  # the stages: built below, as the engine does
+        "model.preset": "custom", "model.flavor": "gpt2", "model.n_layers": "2", "model.d_model": "64",
+        "model.n_heads": "8", "model.max_seq_len": "64", "model.dropout": "0.1", "data.seq_len": "64",
+        "parallel.nproc": str(tp * cp), "parallel.tp": str(tp), "parallel.cp": str(cp),
+        "parallel.sequence_parallel": "true", "parallel.cp_algorithm": algorithm}),
+        tokenizer_vocab=256)  # the pipeline stages: built below, as the engine builds them
     m, b, t_all = cfg.model, 2, cfg.data.seq_len
     key = DropoutKey(seed=1, step=4, first_sequence=6)
     one = Transformer(m).train()  # one process: every site's whole mask
@@ -118,8 +141,8 @@ def test_masks_under_tp4_cp2_pp2_are_the_one_process_masks_and_no_rank_allocates
     for stage_id in range(pp):
         stage = build_stage(m, stage_id, pp, split[stage_id]).train()
         for cp_rank in range(cp):
-            layout = SequenceLayout(cp, cp_rank, cfg.parallel.cp_balance)
-            core = ContextAttention(algorithm, layout, None, list(range(cp)))
+            core = ContextAttention(algorithm, SequenceLayout(cp, cp_rank, cfg.parallel.cp_balance), None,
+                                    list(range(cp)))
             for tp_rank in range(tp):
                 place_dropout(stage, FakeMesh(tp=(tp, tp_rank), cp=(cp, cp_rank)), cfg)
                 for module in stage.modules():
@@ -135,20 +158,7 @@ def test_masks_under_tp4_cp2_pp2_are_the_one_process_masks_and_no_rank_allocates
                     heads_here = m.n_heads // tp
                     drop = blk.attn.dropout_of(key, heads_here, None)
                     ref, count = whole[("attn_probs", blk.layer_id)], drawn[("attn_probs", blk.layer_id)]
-                    t = t_all // cp
-                    if algorithm == "ring":
-                        pieces = []
-                        for src in range(cp):
-                            pair = block_pair(cp_rank, src, t, layout.balance)
-                            rows = layout.positions(t)[pair.q]
-                            cols = layout.positions(t, rank=src)[pair.kv]
-                            pieces.append((lambda pair=pair, src=src: block_keep(core, drop, b, t, src, pair),
-                                           drop.heads.index, rows, cols))
-                    else:
-                        per = heads_here // cp
-                        pieces = [(lambda: ulysses_keep(core, drop, b, heads_here, t),
-                                   drop.heads.index[cp_rank * per:(cp_rank + 1) * per], positions, positions)]
-                    for draw, heads, rows, cols in pieces:
+                    for draw, heads, rows, cols in attention_pieces(algorithm, core, drop, b, t_all // cp, heads_here):
                         with LargestAllocation() as probe:
                             mine = draw()
                         assert probe.bytes <= mine.numel(), "more than one byte per element of its slice"
