@@ -111,10 +111,10 @@ def ours_tp(model, sp: bool, args=None):
 
     apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
     if args is not None and args.dropout:  # the tokens and heads this rank holds, as the engine's parallelize says
-        from shardwise.parallel.dropout import attention_heads, hold, stream_tokens
+        from shardwise.parallel.dropout import attention_heads, place_slices, stream_tokens
 
         tp, rank = dist.get_world_size(), dist.get_rank()
-        hold(model, stream_tokens(args.seq_len, tp=tp, tp_rank=rank, sequence_parallel=True) if sp else None,
+        place_slices(model, stream_tokens(args.seq_len, tp=tp, tp_rank=rank, sequence_parallel=True) if sp else None,
              attention_heads(args.n_heads, tp, rank))
     return model
 

@@ -82,8 +82,8 @@ class Span:
 
 
 def threshold(p: float) -> int:
-    """A 16-bit uniform ``u`` drops its element when ``u < threshold(p)``."""
-    return round(p * 65536)
+    """A 16-bit uniform ``u`` drops its element when ``u < threshold(p)`` (at most 65535: one value keeps)."""
+    return min(round(p * 65536), 65535)
 
 
 def keep_scale(p: float) -> float:

@@ -60,10 +60,10 @@ def place_dropout(part: nn.Module, mesh, cfg) -> None:
         tokens = stream_tokens(cfg.data.seq_len, cp, mesh.rank("cp"), p.cp_balance, tp, mesh.rank("tp"),
                                p.sequence_parallel, device)
     heads = attention_heads(m.n_heads, tp, mesh.rank("tp"), device) if tp > 1 else None
-    hold(part, tokens, heads)
+    place_slices(part, tokens, heads)
 
 
-def hold(part: nn.Module, tokens: Span | None, heads: Span | None) -> None:
+def place_slices(part: nn.Module, tokens: Span | None, heads: Span | None) -> None:
     """Say that ``part``'s residual stream holds ``tokens`` and its attentions hold the query ``heads`` (None:
     all of them)."""
     from shardwise.model.layers import Attention
