@@ -50,7 +50,7 @@ FEATURES: dict[str, dict] = {
 BASE = {"model.preset": "custom", "model.flavor": "gpt2", "model.n_layers": 4, "model.d_model": 64, "model.n_heads": 4,
         "data.seq_len": 32, "train.global_batch": 16, "train.precision": "fp32", "run.device": "cpu"}
 AXES = ("parallel.tp", "parallel.pp", "parallel.cp")
-"""Model-parallel axes: the world is 2 data-parallel replicas of their product (and the servers of a parameter server)."""
+"""Model-parallel axes: the world is 2 data-parallel replicas of their product (and a parameter server's servers)."""
 
 
 def outcome(overrides: dict) -> str | None:

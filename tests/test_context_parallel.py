@@ -98,7 +98,6 @@ def test_bad_context_parallel_layouts_are_refused_before_spawning(tmp_path, cach
          "splits the 3 heads"),
         ({"parallel.cp": 2, "parallel.cp_algorithm": "tree"}, "parallel.cp_algorithm='tree' is not valid"),
         ({"parallel.cp_balance": "none"}, "but parallel.cp=1"),
-        ({"parallel.cp": 2, "model.dropout": 0.1}, "has no attention dropout"),
     ]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):

@@ -13,9 +13,11 @@ for Llama does the same; DESIGN.md "How layouts compose"):
    all-to-all (:func:`shardwise.parallel.expert.dispatch.apply_expert_parallel`); where a sequence's tokens
    are spread over tp (sequence parallel) or cp ranks, the MoE blocks' router losses are taken over the whole
    sequence (:func:`shardwise.parallel.expert.sequence.shard_router_losses`);
-3. activation recomputation, full or selective (:mod:`shardwise.parallel.recompute`), around what the
+3. dropout: every dropout site learns which global tokens and heads this rank holds, so that it draws
+   the masks one process draws for them (:func:`shardwise.parallel.dropout.place_dropout`);
+4. activation recomputation, full or selective (:mod:`shardwise.parallel.recompute`), around what the
    previous steps produced;
-4. ``torch.compile`` of each block (``train.compile``, :mod:`shardwise.parallel.compile`);
+5. ``torch.compile`` of each block (``train.compile``, :mod:`shardwise.parallel.compile`);
 
 then the caller cuts pipeline stages (a pipeline builds each stage from the plain model first and
 runs this function on every stage) and wraps the result in a data-parallel wrapper (plain or ZeRO)
@@ -30,6 +32,7 @@ from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import Mesh
 from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.context import apply_context_parallel
+from shardwise.parallel.dropout import place_dropout
 from shardwise.parallel.expert.dispatch import all_to_all_algorithm, apply_expert_parallel
 from shardwise.parallel.expert.sequence import shard_router_losses
 from shardwise.parallel.recompute import apply_recompute
@@ -38,8 +41,8 @@ from shardwise.parallel.tensor.plan import apply_tensor_parallel
 
 def parallelize(part: nn.Module, mesh: Mesh, cfg, ledger: CommLedger) -> nn.Module:
     """Rewrite ``part`` (a :class:`~shardwise.model.Transformer` or a pipeline stage of one, holding real
-    values) in place for this rank: TP/SP -> CP -> EP -> recompute -> compile. Collectives record into
-    ``ledger[axis]``. Returns ``part``."""
+    values) in place for this rank: TP/SP -> CP -> EP -> dropout placement -> recompute -> compile.
+    Collectives record into ``ledger[axis]``. Returns ``part``."""
     if mesh.size("tp") > 1:
         apply_tensor_parallel(part, mesh.group("tp"), ledger["tp"],
                               sequence_parallel=cfg.parallel.sequence_parallel, cfg=cfg.model)
@@ -52,6 +55,7 @@ def parallelize(part: nn.Module, mesh: Mesh, cfg, ledger: CommLedger) -> nn.Modu
     if mesh.size("ep") > 1:
         apply_expert_parallel(part, mesh.group("ep"), ledger["ep"], all_to_all_algorithm(cfg.comm),
                               cfg.comm.timeout_s or None)
+    place_dropout(part, mesh, cfg)
     apply_recompute(part, cfg.train.recompute, cfg.train.recompute_every)
     if cfg.train.compile:
         apply_compile(part)

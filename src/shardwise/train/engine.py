@@ -39,6 +39,7 @@ from shardwise.model import Transformer
 from shardwise.model.transformer import initial_value
 from shardwise.parallel.context import pop_attention_work
 from shardwise.parallel.data import DataParallel
+from shardwise.parallel.dropout import replica_key
 from shardwise.parallel.expert import state as expert_state
 from shardwise.parallel.expert.dispatch import step_metrics as moe_step_metrics
 from shardwise.parallel.grad_norm import clip_grad_norm
@@ -183,7 +184,8 @@ class Engine:
             return OneStage(self.wrapper, precision, device)
         pipe = Pipeline(self.parts, self.mesh.ranks("pp"), p.pp_schedule, p.microbatches, self.cfg.model.d_model,
                         device=device, forward_context=lambda: autocast_context(precision, device.type),
-                        comm_stats=self.ledger["pp"], seq_shards=p.tp if p.sequence_parallel else 1)
+                        comm_stats=self.ledger["pp"], seq_shards=p.tp if p.sequence_parallel else 1,
+                        tokens_to_every_stage=self.cfg.train.objective == "classify")
         return PipelineSchedule(pipe, self.wrapper, self.mesh.group("pp"), self.mesh.ranks("pp"), p.pp_schedule,
                                 device)
 
@@ -204,9 +206,15 @@ class Engine:
     # ---- the step ---------------------------------------------------------------------------------
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str,
-                         scaler: DynamicLossScaler | None) -> torch.Tensor:
-        """The mean loss of this replica's micro-batches; gradients averaged over the group when it returns."""
-        return self.schedule.run(batches, scaler)
+                         scaler: DynamicLossScaler | None, step: int = 0) -> torch.Tensor:
+        """The mean loss of this replica's micro-batches of optimizer step ``step``; gradients averaged over the
+        group when it returns. With dropout the schedule hands every forward the key of its micro-batch's place
+        in the step's global batch, so every layout draws the masks one process draws."""
+        key = None
+        if self.cfg.model.dropout:
+            key = replica_key(self.cfg.train.seed, step, self.mesh.dp_rank, self.cfg.train.global_batch,
+                              self.mesh.dp_size)
+        return self.schedule.run(batches, scaler, key)
 
     def unscale_and_clip(self, scaler: DynamicLossScaler | None, max_norm: float) -> tuple[bool, float]:
         """fp16: unscale the gradients this rank holds, every rank agreeing on an overflow; then the global

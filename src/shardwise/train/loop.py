@@ -133,7 +133,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         set_lr(optimizer, lr)
         batches = [tuple(t.to(device) for t in train_windows.batch(ids))
                    for ids in sampler.micro_batches(step, tcfg.micro_batch)]
-        replica_loss = engine.forward_backward(batches, tcfg.precision, scaler)
+        replica_loss = engine.forward_backward(batches, tcfg.precision, scaler, step)
         found_inf, grad_norm = engine.unscale_and_clip(scaler, tcfg.grad_clip)
         if not found_inf:
             optimizer.step()

@@ -14,18 +14,16 @@ def check(cfg: Config) -> None:
     choice("parallel.cp_balance", p.cp_balance)
     if p.cp == 1:
         return
-    if m.flavor == "bert":
-        raise ConfigError(f"parallel.cp={p.cp} with model.flavor='bert': the context-parallel attention cores are "
-                          "causal, and an encoder's padding masks do not follow the sequence split; use parallel.cp=1")
+    if cfg.train.objective == "classify":
+        raise ConfigError(f"parallel.cp={p.cp} with train.objective='classify': the classifier reads the [CLS] "
+                          "token, which one context-parallel rank holds, and its label is per sequence; use "
+                          "parallel.cp=1")
     chunks = 2 * p.cp if p.cp_balance == "headtail" else p.cp
     if cfg.data.seq_len % (chunks * (p.tp if p.sequence_parallel else 1)):
         what = f"{chunks} chunks (parallel.cp={p.cp}, parallel.cp_balance={p.cp_balance!r})"
         if p.sequence_parallel:
             what += f" of a multiple of parallel.tp={p.tp} (sequence parallel)"
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} does not divide into {what}")
-    if m.dropout > 0:
-        raise ConfigError(f"model.dropout={m.dropout} with parallel.cp={p.cp}: context-parallel attention has no "
-                          "attention dropout; use model.dropout=0")
     if p.cp_algorithm == "ulysses":
         heads, kv = m.n_heads // p.tp, max(m.n_kv_heads // p.tp, 1)
         if heads % p.cp:

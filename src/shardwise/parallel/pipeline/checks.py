@@ -104,9 +104,6 @@ def check(cfg: Config) -> None:
     if p.zero and (p.offload != "none" or p.zero_quant_grads):
         raise ConfigError("parallel.zero=1 inside a pipeline runs without offload or int8 gradients for now; "
                           "use parallel.offload='none' and parallel.zero_quant_grads=false")
-    if t.objective == "classify":
-        raise ConfigError(f"parallel.pp={p.pp} with train.objective='classify' is not implemented yet (the "
-                          "padding mask would have to travel with the activations); use 1")
     try:
         check_pipeline(cfg.model.n_layers, p.pp, p.pp_schedule, p.microbatches, t.micro_batch * p.microbatches,
                        p.pp_virtual)

@@ -63,7 +63,8 @@ STYLES = ("vocab_embedding", "positions", "region", "colwise", "colwise_kv", "ro
 """The tensor-parallel forms a module can take:
 
 * ``vocab_embedding``: :class:`VocabParallelEmbedding` (g, or the sequence reduce-scatter, at its output);
-* ``positions``: a learned position table, whole; with sequence parallelism :class:`SequenceParallelPositions`;
+* ``positions``: a table looked up per token (learned positions, bert's token types), whole; with sequence
+  parallelism :class:`SequenceParallelPositions` (the rows of the rank's tokens);
 * ``region``: the module's input enters the region once (:class:`EnterRegion` forward pre-hook);
 * ``colwise``: :class:`ColumnParallelLinear` inside a region (no collective of its own), an even split;
 * ``colwise_kv``: the same over key/value heads, replicated where tp > n_kv_heads;
@@ -107,10 +108,11 @@ PLANS: dict[str, dict[str, str]] = {
     "bert": {  # post-norm blocks: the sub-layer's input x enters the region (its norm comes after the residual)
         "tok_emb": "vocab_embedding",
         "pos_emb": "positions",
+        "type_emb": "positions",  # looked up per token, as the positions: with SP the rank's tokens' types
         **_BLOCK_ATTN,
         "blocks.*.mlp.fc_in": "colwise",
         "blocks.*.mlp.fc_out": "rowwise",
-        "lm_head": "vocab_head",  # token types, embedding norm, MLM transform, pooler, classifier: whole
+        "lm_head": "vocab_head",  # embedding norm, MLM transform, pooler, classifier: whole
     },
 }
 """Per model flavour: ``{module path pattern: style}`` (see :data:`STYLES`). Patterns match the
