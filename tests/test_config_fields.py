@@ -71,6 +71,8 @@ def _context(dotted: str, value, tmp_path: Path) -> dict:
         return {"model.flavor": "bert", "model.n_classes": 2, "data.source": str(labelled(tmp_path))}
     if dotted == "data.format":
         return {"data.source": str(tmp_path)}
+    if dotted == "model.moe_router":
+        return {"model.n_experts": 4}
     if dotted == "parallel.offload":
         return {"parallel.zero": 1}
     if dotted == "parallel.zero_param_dtype":
@@ -246,6 +248,14 @@ PROOFS: dict[str, tuple] = {
     "model.moe_aux_coeff": (reads("model/transformer.py"),
                             Refused({"model.moe_aux_coeff": 0.1}, "but model.n_experts=0")),
     "model.moe_z_coeff": (reads("model/transformer.py"), Refused({"model.moe_z_coeff": 0.1}, "but model.n_experts=0")),
+    "model.moe_router": (reads("model/transformer.py"),
+                         Refused({"model.moe_router": "softmax_renorm"}, "but model.n_experts=0"),
+                         Refused({"model.n_experts": 4, "model.moe_router": "top1"}, "is not valid; use one of")),
+    "model.moe_bias_rate": (reads("model/transformer.py"),
+                            Refused({"model.n_experts": 4, "model.moe_bias_rate": 0.01},
+                                    "but model.moe_router='softmax' has none")),
+    "model.moe_d_ff": (reads("model/transformer.py"), Refused({"model.moe_d_ff": 32}, "but model.n_experts=0")),
+    "model.qk_norm": (reads("model/transformer.py"), Refused({"model.qk_norm": True}, "model.flavor='gpt2' has none")),
     "data.source": (reads("data/cache.py"),),
     "data.format": (reads("data/cache.py"), Refused({"data.format": "jsonl"}, "data.source='stdlib'")),
     "data.text_field": (reads("data/cache.py"), Refused({"data.text_field": "body"}, "read as plain text")),

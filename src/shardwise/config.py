@@ -56,13 +56,15 @@ CP_ALGORITHMS = ("ring", "allgather", "ulysses")
 """parallel.cp_algorithm (the same as shardwise.parallel.context.ALGORITHMS, which needs torch)."""
 CP_BALANCES = ("headtail", "none")
 """parallel.cp_balance (shardwise.parallel.context.layout.BALANCES)."""
+MOE_ROUTERS = ("softmax", "softmax_renorm", "sigmoid_bias")
+"""model.moe_router (the same as shardwise.model.moe.ROUTERS, which needs torch)."""
 PS_CONSISTENCIES = ("bsp", "asp", "ssp")
 """ps.consistency (the same as shardwise.ps.consistency.MODES)."""
 PS_SCHEDULINGS = ("fifo", "priority")
 """ps.scheduling (the same as shardwise.ps.scheduling.POLICIES)."""
 
 CHOICES: dict[str, tuple] = {
-    "model.preset": PRESET_NAMES, "model.flavor": FLAVORS,
+    "model.preset": PRESET_NAMES, "model.flavor": FLAVORS, "model.moe_router": MOE_ROUTERS,
     "data.format": DATA_FORMATS, "data.tokenizer": TOKENIZERS,
     "train.precision": PRECISIONS, "train.objective": OBJECTIVES, "train.recompute": RECOMPUTE_MODES,
     "parallel.zero": ZERO_STAGES, "parallel.offload": OFFLOADS,
@@ -127,6 +129,18 @@ class ModelConfig:
     """With n_experts > 0: weight of the Switch load-balancing loss E*sum f_i P_i added to the training loss."""
     moe_z_coeff: float = 0.001
     """With n_experts > 0: weight of the ST-MoE router z-loss added to the training loss."""
+    moe_router: str = "softmax"
+    """With n_experts > 0: how a token picks its experts and weighs them: "softmax" (top-k of the softmax,
+    un-normalised gates: Switch / GShard), "softmax_renorm" (those k gates renormalised to sum 1: Mixtral,
+    Qwen3-MoE) or "sigmoid_bias" (sigmoid scores, top-k by score + a per-expert bias that balances the load
+    without an auxiliary loss, gates the normalised scores: DeepSeek-V3)."""
+    moe_bias_rate: float = 0.001
+    """With moe_router = "sigmoid_bias": after each step every expert's bias moves by this much towards balance
+    (+rate for an expert below the mean load, -rate above it)."""
+    moe_d_ff: int | None = None
+    """With n_experts > 0: inner size of each routed expert (Qwen3-MoE's moe_intermediate_size); default d_ff."""
+    qk_norm: bool = False
+    """With flavor = "llama": RMSNorm over each head's query and key before the rotary embedding (Qwen3)."""
 
 
 @dataclass

@@ -128,6 +128,7 @@ class Attention(nn.Module):
         dropout: float = 0.0,
         rope: RotaryEmbedding | None = None,
         causal: bool = True,
+        qk_norm_eps: float | None = None,
     ):
         super().__init__()
         if d_model % n_heads or n_heads % n_kv_heads:
@@ -142,6 +143,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
         self.rope = rope
         self.causal = causal
+        # QK-norm (Dehghani et al. 2023, §3.1; Qwen3): RMSNorm of every query and key head, one gain per head dim
+        self.q_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
     def forward(self, x: torch.Tensor, cache=None, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x [B, T, d_model]``; with ``cache`` (a :class:`~shardwise.model.kv_cache.LayerCache`, for
@@ -152,6 +156,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, H_kv, T, hd]
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(q, k, None if cache is None else cache.positions)
         if cache is None:

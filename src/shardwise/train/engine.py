@@ -40,7 +40,7 @@ from shardwise.model.transformer import initial_value
 from shardwise.parallel.context import pop_attention_work
 from shardwise.parallel.data import DataParallel
 from shardwise.parallel.expert import state as expert_state
-from shardwise.parallel.expert.dispatch import step_metrics as moe_step_metrics
+from shardwise.parallel.expert.router_step import router_step
 from shardwise.parallel.grad_norm import clip_grad_norm
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import Pipeline, build_stage
@@ -236,12 +236,15 @@ class Engine:
 
     def step_metrics(self) -> dict[str, float]:
         """The schedule's (a pipeline's bubble), and where those techniques are on, the context-parallel
-        attention work and the experts' load (each a small collective; not looked for when off)."""
+        attention work and the experts' load (each a small collective; not looked for when off). With MoE
+        blocks it also ends the routers' step: their load summed over the global batch moves the
+        ``sigmoid_bias`` routers' balancing biases (:func:`~shardwise.parallel.expert.router_step.router_step`);
+        the loop calls it once after every optimizer step."""
         out = self.schedule.step_metrics()
         if self.mesh.size("cp") > 1:
             out.update(pop_attention_work(self.module))
         if self.cfg.model.n_experts:
-            out.update(moe_step_metrics(self.module, self.group, self.pp_group))
+            out.update(router_step(self.module, self.group, self.pp_group))
         return out
 
     def write_timeline(self, run_dir: Path, step: int) -> None:

@@ -22,6 +22,7 @@ from shardwise.data.objectives import objective_windows
 from shardwise.dist.mesh import ParallelDims, init_distributed
 from shardwise.model import Transformer
 from shardwise.parallel.context import shard_windows
+from shardwise.parallel.expert.router_step import CollapseWatch
 from shardwise.train import memory as train_memory
 from shardwise.train import state as train_state
 from shardwise.train.checkpoint import latest_valid_checkpoint
@@ -127,6 +128,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
                       f"train.global_batch = {wanted}: val_loss is over the first {used}, a set that depends on "
                       "the data-parallel size (raise data.val_fraction to compare layouts)")
     done = start_step
+    collapse = CollapseWatch(cfg.model.n_experts or 0, cfg.model.moe_top_k)  # MoE: warns of a router collapse
     for step in range(start_step, tcfg.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, tcfg)
@@ -178,6 +180,8 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
             title = f"model-state bytes per rank ({engine.describe()})"
             log.log_event(train_memory.format_table(per_rank, title=title))
         log.log(done, metrics)
+        if cfg.model.n_experts and (note := collapse.check(done, metrics)):
+            log.log_event(note)
         if not math.isfinite(step_loss) and scaler is None:
             raise FloatingPointError(f"loss became {step_loss} at step {done}; lower train.lr or use train.grad_clip")
         faults.after_step(done)
