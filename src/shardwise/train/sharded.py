@@ -111,6 +111,11 @@ class ShardedReader:
                 raise CheckpointError(f"checkpoint {self.path}: file {name} cannot be read by safetensors: {e}") from e
         return self._open[name]
 
+    def close(self) -> None:
+        """Close the files opened so far: safetensors maps them into memory, and the pages read stay in the
+        process's resident set until the file is closed (a streaming reader closes them after each tensor)."""
+        self._open.clear()
+
     def keys(self, prefix: str) -> list[str]:
         return [k for k in self.index if k.startswith(prefix)]
 
@@ -182,6 +187,15 @@ class LazyState(Mapping):
     def read_slice(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of the flattened tensor ``name`` only."""
         return self.reader.slice(self.prefix + name, start, stop)
+
+    def read_rows(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` along ``dim`` of tensor ``name`` only (a tensor-parallel rank's part): one run of
+        elements per index of the dims before ``dim``."""
+        shape = self.reader.index[self.prefix + name]["shape"]
+        inner, outer = math.prod(shape[dim + 1:]), math.prod(shape[:dim])
+        runs = [self.read_slice(name, (i * shape[dim] + start) * inner, (i * shape[dim] + stop) * inner)
+                for i in range(outer)]
+        return torch.cat(runs).view(*shape[:dim], stop - start, *shape[dim + 1:])
 
     def materialize(self) -> dict[str, torch.Tensor]:
         return {name: self[name] for name in self._names}

@@ -65,10 +65,14 @@ def load_full_model_state(engine: ZeroDataParallel, state: dict[str, torch.Tenso
         name_of.setdefault(id(t), name)
     masters = master_of(engine)
     for u in engine.units:
-        flat = torch.zeros(u.padded_numel, dtype=torch.float32)
-        for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
-            flat[off:off + n].copy_(state[name_of[id(p)]].reshape(-1))
-        own = u.own_slice(flat).to(u.shard.device)
+        if engine.stage == 3 and not u.gathered:  # only this rank's slice is kept: read only its pieces
+            flat, own = None, _own_slice(u, state, name_of)
+        else:
+            flat = torch.zeros(u.padded_numel, dtype=torch.float32)
+            for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
+                flat[off:off + n].copy_(state[name_of[id(p)]].reshape(-1))
+            own = u.own_slice(flat)
+        own = own.to(u.shard.device)
         u.shard.copy_(own)
         engine.hpz.drop(u)
         if engine.stage < 3 or u.gathered:
@@ -83,3 +87,17 @@ def load_full_model_state(engine: ZeroDataParallel, state: dict[str, torch.Tenso
         if id(t) not in params:
             t.data.copy_(state[name])
     return [], []
+
+
+def _own_slice(unit, state, name_of: dict[int, str]) -> torch.Tensor:
+    """This rank's slice of ``unit``'s padded flat buffer from the state's tensors, each piece read alone
+    (``read_slice`` of a lazy state -- a checkpoint's, a transformers directory's -- reads only those elements)."""
+    own = torch.zeros(unit.shard_numel, dtype=torch.float32)
+    for pc in unit.pieces:
+        name = name_of[id(unit.params[pc.param_index])]
+        if hasattr(state, "read_slice"):
+            values = state.read_slice(name, pc.start, pc.stop)
+        else:
+            values = state[name].reshape(-1)[pc.start:pc.stop]
+        own[pc.shard_offset:pc.shard_offset + pc.numel].copy_(values)
+    return own
