@@ -129,21 +129,21 @@ SIGMOID = {"model.preset": "tiny-moe", "train.steps": 3, "model.moe_router": "si
 @pytest.fixture(scope="module")
 def sigmoid_reference(tmp_path_factory, cache_dir):
     tmp = tmp_path_factory.mktemp("ref-sigmoid")
-    return {dp: run(tmp, cache_dir, f"ref{dp}", 1, **SIGMOID, **{"train.micro_batch": 8 // dp}) for dp in (2, 4)}
+    return {dp: run(tmp, cache_dir, f"ref{dp}", 1, **SIGMOID, **{"train.micro_batch": 8 // dp}) for dp in (1, 2)}
 
 
-@pytest.mark.parametrize("name,nproc,dp,overrides", [
-    ("ep2", 2, 2, {"parallel.ep": 2}),
-    ("ep2-tp2", 4, 2, {"parallel.ep": 2, "parallel.tp": 2}),
-    ("ep2-zero3-dp4", 4, 4, {"parallel.ep": 2, "parallel.zero": 3}),
-    ("pp2", 2, 2, {"parallel.pp": 2, "parallel.microbatches": 2}),
+@pytest.mark.parametrize("name,overrides", [
+    ("ep2", {"parallel.ep": 2}),
+    ("ep2-zero3", {"parallel.ep": 2, "parallel.zero": 3}),
+    ("tp2", {"parallel.tp": 2}),
+    ("pp2", {"parallel.pp": 2, "parallel.microbatches": 2}),
 ])
 def test_sigmoid_bias_router_trains_the_same_model_on_every_layout(sigmoid_reference, tmp_path, cache_dir, name,
-                                                                   nproc, dp, overrides):
+                                                                   overrides):
     """The bias moves by the global batch's load on every rank alike, so each layout ends with the single
     process's weights *and biases* (compared in the final state), losses and gradient norms; the biases moved."""
-    result = run(tmp_path, cache_dir, name, nproc, **SIGMOID, **overrides)
-    assert_same_training(result, sigmoid_reference[dp], atol=1e-5)
+    result = run(tmp_path, cache_dir, name, 2, **SIGMOID, **overrides)
+    assert_same_training(result, sigmoid_reference[1 if name == "tp2" else 2], atol=1e-5)
     biases = {k: v for k, v in result[1].items() if k.endswith("router.expert_bias")}
     assert len(biases) == 2 and all(v.abs().max() > 0 for v in biases.values()), biases
     import json

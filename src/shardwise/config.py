@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import os
 import types
 import typing
@@ -350,6 +351,9 @@ class CkptConfig:
     """Keep the newest K checkpoints."""
     resume: bool = False
     """Continue from the newest valid checkpoint in run.dir/checkpoints."""
+    async_: bool = False
+    """Written ``ckpt.async`` (``async`` is a Python keyword): write checkpoints in the background -- every rank
+    copies its pieces to host memory and trains on while a thread writes them, at most one write in flight."""
 
 
 @dataclass
@@ -416,7 +420,7 @@ class Config:
         hint = self._hint(dotted)
         section_name, _, key = dotted.partition(".")
         section = getattr(self, section_name)
-        setattr(section, key, _coerce(dotted, value, hint))
+        setattr(section, attribute(key), _coerce(dotted, value, hint))
 
     def set_text(self, dotted: str, text: str) -> None:
         """Set one field from command-line text, as the same value written in TOML would set it.
@@ -434,13 +438,14 @@ class Config:
         if section_name not in sections or not key:
             raise ConfigError(f"unknown config key {dotted!r}{_suggest(section_name, sections)}")
         hints = typing.get_type_hints(type(getattr(self, section_name)))
-        if key not in hints:
-            names = [f"{section_name}.{n}" for n in hints]
+        if attribute(key) not in hints:
+            names = [f"{section_name}.{key_name(n)}" for n in hints]
             raise ConfigError(f"unknown config key {dotted!r}{_suggest(dotted, names)}")
-        return hints[key]
+        return hints[attribute(key)]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """The tree as plain data, under the names files and the command line use (``ckpt.async``)."""
+        return {s: {key_name(k): v for k, v in vals.items()} for s, vals in dataclasses.asdict(self).items()}
 
     def to_toml(self) -> str:
         """The tree as TOML; unset (None) fields are left out, as TOML has no null."""
@@ -448,6 +453,17 @@ class Config:
 
         tree = {s: {k: v for k, v in vals.items() if v is not None} for s, vals in self.to_dict().items()}
         return tomli_w.dumps(tree)
+
+
+def attribute(key: str) -> str:
+    """The dataclass attribute of a config key: a Python keyword takes a trailing underscore (PEP 8), so
+    ``ckpt.async`` is ``CkptConfig.async_``; ``async_`` itself is accepted too."""
+    return f"{key}_" if keyword.iskeyword(key) else key
+
+
+def key_name(attr: str) -> str:
+    """The config key of a dataclass attribute (the inverse of :func:`attribute`)."""
+    return attr[:-1] if attr.endswith("_") and keyword.iskeyword(attr[:-1]) else attr
 
 
 # ---- value parsing -------------------------------------------------------------------------

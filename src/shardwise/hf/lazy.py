@@ -41,8 +41,8 @@ class HFFiles:
     def read(self, name: str, index: Index) -> torch.Tensor:
         """``tensor[index]`` of the normalised tensor ``name``, read from its file alone (a copy)."""
         path, actual = self.where[name]
-        with safe_open(str(path), framework="pt") as f:
-            return f.get_slice(actual)[index].clone() if index else f.get_tensor(actual)
+        with safe_open(str(path), framework="pt") as f:  # both copy out of the file: nothing stays mapped
+            return f.get_slice(actual)[index] if index else f.get_tensor(actual)
 
 
 class LazyHFState(Mapping):
@@ -117,4 +117,4 @@ def flat_read(read: Callable[[Index], torch.Tensor], shape: tuple[int, ...], sta
         out.append(read(prefix + (slice(first, last),) + rest).reshape(-1))
     if tail:
         out.append(flat_read(read, shape[1:], 0, tail, prefix + (slice(last, last + 1),)))
-    return torch.cat(out)
+    return out[0] if len(out) == 1 else torch.cat(out)
