@@ -3,7 +3,8 @@
 Two runs of the same model and layout, one with ``ckpt.async true`` and one without, each ``shardwise train``
 on 2 ranks with ZeRO-3 (so every rank writes its half of the parameters and of Adam's moments: >= 100 MB per
 rank by default), a checkpoint every ``--every`` steps. From each run's ``metrics.jsonl``: ``ckpt_stall_s``
-(training time lost at a checkpoint step, measured by the trainer), ``ckpt_write_s`` (the write itself) and the
+(training time lost at a checkpoint step, measured by the trainer, plus ``ckpt_wait_s``: optimizer steps that
+waited for the background copy), ``ckpt_write_s`` (the write itself) and the
 step time of the steps right after a checkpoint (the background write competes with them for the CPU). The
 report is the median stall of each and their ratio (async / sync), with the bytes each rank wrote.
 
@@ -43,7 +44,14 @@ def train(run_dir: Path, args, asynchronous: bool) -> list[dict]:
 
 
 def summary(rows: list[dict], every: int) -> dict:
-    stalls = [r["ckpt_stall_s"] for r in rows if "ckpt_stall_s" in r]
+    """Per checkpoint, the training time it cost: its ``ckpt_stall_s`` plus the ``ckpt_wait_s`` of the optimizer
+    steps that waited for its background copy (those before the next checkpoint)."""
+    stalls = []
+    for r in rows:
+        if "ckpt_stall_s" in r:
+            stalls.append(r["ckpt_stall_s"])
+        elif "ckpt_wait_s" in r and stalls:
+            stalls[-1] += r["ckpt_wait_s"]
     writes = [r["ckpt_write_s"] for r in rows if "ckpt_write_s" in r]
     steps = {r["step"]: r["step_time_s"] for r in rows if "step_time_s" in r}
     after = [t for s, t in steps.items() if s > 1 and (s - 1) % every == 0]

@@ -68,6 +68,43 @@ def test_a_failed_background_write_is_raised_in_one_line_and_leaves_nothing(tmp_
     assert list((tmp_path / "ckpt").iterdir()) == []
 
 
+def _update_waits_for_the_copy(root: str):
+    """The background copy is held back; an optimizer step (``before_update``) must wait for it, so the checkpoint
+    holds the values of its step although training changes them right after."""
+    import threading
+
+    import torch.distributed as dist
+
+    import shardwise.train.ckpt_writer as ckpt_writer
+    from shardwise.train.sharded import Piece
+    from shardwise.train.state import open_checkpoint
+
+    gate, real = threading.Event(), ckpt_writer.host_copy
+    ckpt_writer.host_copy = lambda pieces: (gate.wait(), real(pieces))[1]
+    try:
+        writer = ckpt_writer.CheckpointWriter(Path(root), keep=2, background=True, timeout_s=60)
+        weight = torch.zeros(4)
+        rank = dist.get_rank()
+        writer.save(1, [Piece(f"model/w{rank}", weight, 0, (4,))], {"step": 1} if rank == 0 else None)
+        updated = threading.Event()
+        step = threading.Thread(target=lambda: (writer.before_update(), weight.add_(1), updated.set()))
+        step.start()
+        blocked = not updated.wait(0.5)  # can only pass wrongly (a slow start), never fail wrongly
+        gate.set()
+        step.join()
+        writer.wait()
+    finally:
+        ckpt_writer.host_copy = real
+    dist.barrier()
+    saved = open_checkpoint(Path(root) / "step_00000001").model_state()
+    return blocked, [saved[f"w{r}"].tolist() for r in range(dist.get_world_size())], weight.tolist()
+
+
+def test_the_next_update_waits_for_the_background_copy(tmp_path):
+    for blocked, saved, now in run_on_ranks(2, _update_waits_for_the_copy, str(tmp_path / "ckpt")):
+        assert blocked and saved == [[0.0] * 4] * 2 and now == [1.0] * 4
+
+
 @pytest.mark.parametrize("over,fragment", [
     ({"ckpt.async": "true", "ps.servers": "1"}, "ckpt.async=true with ps.servers=1: the parameter server's"),
 ])

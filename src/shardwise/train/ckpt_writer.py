@@ -3,21 +3,25 @@
 Synchronously (:func:`shardwise.train.sharded.save_sharded`) every rank writes its file and the group waits for
 rank 0 to finish the checkpoint: training stops for the whole write. Asynchronously -- as torchtitan's
 ``torch.distributed.checkpoint.async_save`` and Megatron's asynchronous ``dist_checkpointing`` do -- each rank
-copies its pieces to host memory (pinned on GPUs, so the copy runs at the link's full speed) and returns to
-training; a background thread writes them into the same temporary directory, and rank 0's thread, once every
-rank's file is there, writes ``state.json`` and the manifest and renames the directory into place exactly as a
-synchronous save does (:mod:`shardwise.train.checkpoint`). So a crash during the background write leaves the
-previous checkpoint the newest valid one, and ``--resume``, failover restarts and ``ckpt.keep`` see nothing new.
+returns to training at once and a background thread first copies the rank's pieces to host memory (pinned on
+GPUs, so the copy runs at the link's full speed), then writes them into the same temporary directory; rank 0's
+thread, once every rank's file is there, writes ``state.json`` and the manifest and renames the directory into
+place exactly as a synchronous save does (:mod:`shardwise.train.checkpoint`). So a crash during the background
+write leaves the previous checkpoint the newest valid one, and ``--resume``, failover restarts and
+``ckpt.keep`` see nothing new. The copy overlaps the next step's forward and backward, which read the weights
+and optimizer state but do not change them; the next optimizer step waits for the copy to be done
+(:meth:`CheckpointWriter.before_update`), so the checkpoint holds exactly the state of its step.
 
 At most one write is in flight: the next checkpoint first waits for the previous one (and the end of the run
 for the last). The background threads use no collective: the ranks meet through the file system -- each
 writes a small ``.written-<rank>.json`` (its manifest entry and index, or its error) next to its file, which
 rank 0's thread waits for (``parallel.timeout_s`` at most) -- so they never race the training's collectives.
 
-Measured (``metrics.jsonl``): ``ckpt_stall_s``, the training time lost at a checkpoint step (the copy, plus
-any wait for the previous write; the whole write when synchronous), logged for the step the checkpoint is of;
-``ckpt_write_s``, the write itself on rank 0 from its start to the rename (the slowest rank's file included),
-logged with the first step after it finished.
+Measured (``metrics.jsonl``): ``ckpt_stall_s``, the training time lost at a checkpoint step (collecting the
+pieces and the JSON state, plus any wait for the previous write; the whole write when synchronous), logged for
+the step the checkpoint is of; ``ckpt_wait_s``, time an optimizer step waited for the copy (logged with that
+step when it had to wait: training time lost too); ``ckpt_write_s``, the copy and write on rank 0 from its start
+to the rename (the slowest rank's file included), logged with the first step after it finished.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ class CheckpointWriter:
         self.root, self.keep, self.background, self.timeout_s = Path(root), keep, background, timeout_s
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._thread: threading.Thread | None = None
+        self._copied = threading.Event()
+        """Set once the write in flight has its own copy of the pieces (set when none is in flight)."""
+        self._copied.set()
         self._error: BaseException | None = None
         self._done: list[tuple[int, float]] = []
         """``(step, write seconds)`` of background writes finished and not yet reported."""
@@ -78,15 +85,31 @@ class CheckpointWriter:
         self.wait()  # at most one write in flight
         holder = [begin_checkpoint(self.root, step) if self.rank == 0 else None]
         dist.broadcast_object_list(holder, src=0)
-        copies = host_copy(pieces)
-        self._thread = threading.Thread(target=self._write, args=(Path(holder[0]), step, copies, meta, after_write),
-                                        name=f"checkpoint-{step}", daemon=True)
+        self._copied.clear()
+        device = next((p.values.device for p in pieces if p.values.device.type == "cuda"), None)
+        self._thread = threading.Thread(target=self._write, args=(Path(holder[0]), step, pieces, meta, after_write,
+                                                                  device), name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
         return time.perf_counter() - t0
 
-    def _write(self, tmp: Path, step: int, pieces: list[Piece], meta, after_write) -> None:
+    def before_update(self) -> float | None:
+        """Called before an optimizer step changes the weights and moments: wait until the write in flight has
+        copied them. Returns the seconds waited when a copy was still running, else None."""
+        if self._copied.is_set():
+            return None
+        t0 = time.perf_counter()
+        self._copied.wait()
+        return time.perf_counter() - t0
+
+    def _write(self, tmp: Path, step: int, pieces: list[Piece], meta, after_write, device) -> None:
         t0 = time.perf_counter()
         try:
+            try:
+                if device is not None:
+                    torch.cuda.set_device(device)  # a new thread starts on device 0
+                pieces = host_copy(pieces)
+            finally:
+                self._copied.set()
             written = write_pieces(tmp, self.rank, pieces)
             del pieces
             if after_write is not None:

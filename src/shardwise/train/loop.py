@@ -138,6 +138,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
                    for ids in sampler.micro_batches(step, tcfg.micro_batch)]
         replica_loss = engine.forward_backward(batches, tcfg.precision, scaler)
         found_inf, grad_norm = engine.unscale_and_clip(scaler, tcfg.grad_clip)
+        ckpt_wait = writer.before_update()  # a background checkpoint copies the weights before they change
         if not found_inf:
             optimizer.step()
         if scaler:
@@ -167,6 +168,8 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
             metrics.update(loss_scale=scaler.scale, skipped_steps=float(scaler.skipped_steps))
         for _, write_s in writer.finished():  # a background checkpoint write that ended during this step
             metrics["ckpt_write_s"] = write_s
+        if ckpt_wait is not None:
+            metrics["ckpt_wait_s"] = ckpt_wait
         if done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
             val_loss = evaluate(engine, val_windows, tcfg, dp_rank, dp_size, loss_group, device)
             if val_loss is not None:
