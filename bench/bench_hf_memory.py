@@ -140,6 +140,17 @@ def write_run(shape: dict, run_dir: str) -> None:
     finish_checkpoint(run / "checkpoints", 1, tmp, files, meta, keep=1)
 
 
+def write_inputs(tmp: str, export_shape: dict | None, import_shape: dict | None) -> None:
+    """Every input of the measurements, in one child process: the runs to export, the directories to import
+    (each with its tiny warm-up twin)."""
+    if export_shape is not None:
+        write_run(export_shape, f"{tmp}/run")
+        write_run(WARM_UP, f"{tmp}/warm-run")
+    if import_shape is not None:
+        write_hf_directory(import_shape, f"{tmp}/hf")
+        write_hf_directory(WARM_UP, f"{tmp}/warm-hf")
+
+
 def measure_export(run_dir: str, out: str, shard_bytes: int, warm_up: str, queue) -> None:
     """In a fresh process: the export's peak RSS, and the process's own before it (after exporting the tiny
     run ``warm_up``: the fixed part)."""
@@ -229,6 +240,8 @@ def main(argv=None) -> int:
     report: dict = {"date": datetime.date.today().isoformat(), "host": platform.node(), "quick": args.quick}
     report["export"], report["import"] = {"ok": True}, {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        _child(ctx, write_inputs, tmp, export_shape if args.only != "import" else None,
+               import_shape if args.only != "export" else None)
         if args.only != "import":
             report["export"] = measure_export_side(ctx, tmp, export_shape, shard, args.quick)
         if args.only != "export":
@@ -242,8 +255,6 @@ def main(argv=None) -> int:
 
 def measure_export_side(ctx, tmp: str, export_shape: dict, shard: int, quick: bool) -> dict:
     """A run >= 8 shards big, exported in a fresh process (after a tiny run's export in the same process)."""
-    _child(ctx, write_run, export_shape, f"{tmp}/run")
-    _child(ctx, write_run, WARM_UP, f"{tmp}/warm-run")
     queue = ctx.Queue()
     _child(ctx, measure_export, f"{tmp}/run", f"{tmp}/out", shard, f"{tmp}/warm-run", queue)
     got = queue.get()
@@ -264,8 +275,6 @@ def measure_export_side(ctx, tmp: str, export_shape: dict, shard: int, quick: bo
 def measure_import_side(ctx, tmp: str, import_shape: dict, layouts: list[str]) -> dict:
     """The same directory started on 4 fresh ranks per layout."""
     report: dict = {}
-    _child(ctx, write_hf_directory, import_shape, f"{tmp}/hf")
-    _child(ctx, write_hf_directory, WARM_UP, f"{tmp}/warm-hf")
     for name in layouts:
         layout = LAYOUTS[name]
         queue, port = ctx.Queue(), _free_port()

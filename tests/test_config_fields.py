@@ -22,7 +22,7 @@ import tomli_w
 import shardwise.config as config_module
 from shardwise import config_resolve
 from shardwise.cli import main, split_overrides
-from shardwise.config import CHOICES, Config, ConfigError
+from shardwise.config import CHOICES, Config, ConfigError, key_name
 
 SRC = Path(config_module.__file__).parent
 BASE = {"parallel.nproc": "2"}
@@ -30,8 +30,10 @@ BASE = {"parallel.nproc": "2"}
 
 
 def all_fields() -> list[str]:
+    """Every field under its config key (a keyword's attribute ``async_`` is the key ``async``)."""
     cfg = Config()
-    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, s.name))]
+    return [f"{s.name}.{key_name(f.name)}" for s in dataclasses.fields(cfg)
+            for f in dataclasses.fields(getattr(cfg, s.name))]
 
 
 def field_docs() -> dict[str, str]:
@@ -42,7 +44,7 @@ def field_docs() -> dict[str, str]:
         if isinstance(node, ast.ClassDef) and node.name in sections:
             for stmt, after in itertools.pairwise(node.body):
                 if isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr):
-                    docs[f"{sections[node.name]}.{stmt.target.id}"] = after.value.value
+                    docs[f"{sections[node.name]}.{key_name(stmt.target.id)}"] = after.value.value
     return docs
 
 
@@ -376,6 +378,8 @@ PROOFS: dict[str, tuple] = {
     "ckpt.every": (reads("train/loop.py"),),
     "ckpt.keep": (reads("train/loop.py"),),
     "ckpt.resume": (reads("train/loop.py"),),
+    "ckpt.async": (reads("train/loop.py", pattern=r"ckpt\.async_"),
+                   Refused({"ckpt.async": True, "ps.servers": 1}, "the parameter server's checkpoints")),
     "run.dir": (reads("launch.py"),),
     "run.device": (Derives({"run.device": "cpu"}, ("parallel.backend",)),),
     "run.progress": (reads("train/loop.py"),),
