@@ -22,7 +22,7 @@ import tomli_w
 import shardwise.config as config_module
 from shardwise import config_resolve
 from shardwise.cli import main, split_overrides
-from shardwise.config import CHOICES, Config, ConfigError
+from shardwise.config import CHOICES, Config, ConfigError, key_name
 
 SRC = Path(config_module.__file__).parent
 BASE = {"parallel.nproc": "2"}
@@ -30,8 +30,10 @@ BASE = {"parallel.nproc": "2"}
 
 
 def all_fields() -> list[str]:
+    """Every field under its config key (a keyword's attribute ``async_`` is the key ``async``)."""
     cfg = Config()
-    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, s.name))]
+    return [f"{s.name}.{key_name(f.name)}" for s in dataclasses.fields(cfg)
+            for f in dataclasses.fields(getattr(cfg, s.name))]
 
 
 def field_docs() -> dict[str, str]:
@@ -42,7 +44,7 @@ def field_docs() -> dict[str, str]:
         if isinstance(node, ast.ClassDef) and node.name in sections:
             for stmt, after in itertools.pairwise(node.body):
                 if isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr):
-                    docs[f"{sections[node.name]}.{stmt.target.id}"] = after.value.value
+                    docs[f"{sections[node.name]}.{key_name(stmt.target.id)}"] = after.value.value
     return docs
 
 
@@ -71,6 +73,8 @@ def _context(dotted: str, value, tmp_path: Path) -> dict:
         return {"model.flavor": "bert", "model.n_classes": 2, "data.source": str(labelled(tmp_path))}
     if dotted == "data.format":
         return {"data.source": str(tmp_path)}
+    if dotted == "model.moe_router":
+        return {"model.n_experts": 4}
     if dotted == "parallel.offload":
         return {"parallel.zero": 1}
     if dotted == "parallel.zero_param_dtype":
@@ -246,6 +250,14 @@ PROOFS: dict[str, tuple] = {
     "model.moe_aux_coeff": (reads("model/transformer.py"),
                             Refused({"model.moe_aux_coeff": 0.1}, "but model.n_experts=0")),
     "model.moe_z_coeff": (reads("model/transformer.py"), Refused({"model.moe_z_coeff": 0.1}, "but model.n_experts=0")),
+    "model.moe_router": (reads("model/transformer.py"),
+                         Refused({"model.moe_router": "softmax_renorm"}, "but model.n_experts=0"),
+                         Refused({"model.n_experts": 4, "model.moe_router": "top1"}, "is not valid; use one of")),
+    "model.moe_bias_rate": (reads("model/transformer.py"),
+                            Refused({"model.n_experts": 4, "model.moe_bias_rate": 0.01},
+                                    "but model.moe_router='softmax' has none")),
+    "model.moe_d_ff": (reads("model/transformer.py"), Refused({"model.moe_d_ff": 32}, "but model.n_experts=0")),
+    "model.qk_norm": (reads("model/transformer.py"), Refused({"model.qk_norm": True}, "model.flavor='gpt2' has none")),
     "data.source": (reads("data/cache.py"),),
     "data.format": (reads("data/cache.py"), Refused({"data.format": "jsonl"}, "data.source='stdlib'")),
     "data.text_field": (reads("data/cache.py"), Refused({"data.text_field": "body"}, "read as plain text")),
@@ -364,6 +376,8 @@ PROOFS: dict[str, tuple] = {
     "ckpt.every": (reads("train/loop.py"),),
     "ckpt.keep": (reads("train/loop.py"),),
     "ckpt.resume": (reads("train/loop.py"),),
+    "ckpt.async": (reads("train/loop.py", pattern=r"ckpt\.async_"),
+                   Refused({"ckpt.async": True, "ps.servers": 1}, "the parameter server's checkpoints")),
     "run.dir": (reads("launch.py"),),
     "run.device": (Derives({"run.device": "cpu"}, ("parallel.backend",)),),
     "run.progress": (reads("train/loop.py"),),

@@ -131,6 +131,7 @@ class Attention(nn.Module):
         rope: RotaryEmbedding | None = None,
         causal: bool = True,
         layer: int = 0,
+        qk_norm_eps: float | None = None,
     ):
         super().__init__()
         if d_model % n_heads or n_heads % n_kv_heads:
@@ -147,6 +148,9 @@ class Attention(nn.Module):
         self.causal = causal
         self.layer = layer
         self.heads: Span | None = None
+        # QK-norm (Dehghani et al. 2023, §3.1; Qwen3): RMSNorm of every query and key head, one gain per head dim
+        self.q_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
     def forward(self, x: torch.Tensor, cache=None, padding_mask: torch.Tensor | None = None,
                 dropout_key: DropoutKey | None = None) -> torch.Tensor:
@@ -159,6 +163,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, H_kv, T, hd]
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(q, k, None if cache is None else cache.positions)
         if cache is None:

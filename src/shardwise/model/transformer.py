@@ -4,7 +4,9 @@
   §2.3: pre-norm blocks with LayerNorm (with bias), GELU MLP, learned absolute position embeddings,
   a final LayerNorm, biases in every linear layer, output head tied to the token embedding.
 * ``flavor="llama"`` — Touvron et al. 2023, "LLaMA" §2.2: pre-norm blocks with RMSNorm, SwiGLU MLP,
-  rotary position embeddings, grouped-query attention (``n_kv_heads``), no biases, untied head.
+  rotary position embeddings, grouped-query attention (``n_kv_heads``), no biases, untied head; with
+  ``qk_norm`` an RMSNorm over each query and key head before the rotation (Qwen3; Dehghani et al. 2023,
+  "Scaling Vision Transformers to 22 Billion Parameters", §3.1).
 * ``flavor="bert"`` — Devlin et al. 2019, "BERT" §3 (the released code's layout): an encoder with
   bidirectional attention (padding masks), learned position and token-type embeddings summed and
   LayerNorm-ed, *post*-norm blocks (``norm(x + sublayer(x))``, Vaswani et al. 2017 §3.1) with the
@@ -38,6 +40,7 @@ from torch import nn
 from shardwise.model.dropout import Dropout, DropoutKey
 from shardwise.model.layers import Attention, GeluMLP, RMSNorm, RotaryEmbedding, SwiGLU
 from shardwise.model.moe import MoE, is_moe_layer, moe_aux_loss, moe_layers
+from shardwise.model.router import Router
 
 if TYPE_CHECKING:
     from shardwise.config import ModelConfig
@@ -72,12 +75,14 @@ class Block(nn.Module):
         self.layer_id = layer_id
         self.norm1 = _norm(cfg)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=gelu, dropout=cfg.dropout, rope=rope,
-                              causal=not self.post_norm, layer=layer_id)
+                              causal=not self.post_norm, layer=layer_id,
+                              qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None)
         self.norm2 = _norm(cfg)
         if is_moe_layer(layer_id, cfg.n_experts or 0, cfg.moe_every):
             self.mlp = MoE(cfg.d_model, cfg.d_ff, cfg.flavor, cfg.n_experts, cfg.moe_top_k, n_shared=cfg.moe_shared,
                            capacity_factor=cfg.moe_capacity_factor, aux_coeff=cfg.moe_aux_coeff,
-                           z_coeff=cfg.moe_z_coeff)
+                           z_coeff=cfg.moe_z_coeff, router=cfg.moe_router, bias_rate=cfg.moe_bias_rate,
+                           layer_id=layer_id, d_expert=cfg.moe_d_ff)
         else:
             self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, bias=True, approximate="none" if self.post_norm else "tanh") \
                 if gelu else SwiGLU(cfg.d_model, cfg.d_ff, bias=False)
@@ -253,7 +258,7 @@ class Transformer(nn.Module):
         See :func:`initial_value`."""
         self.tie_weights()
         for module in self.modules():
-            if isinstance(module, RotaryEmbedding):
+            if isinstance(module, (RotaryEmbedding, Router)):
                 module.reset_parameters()
         for name, p in self.named_parameters_for_init():
             if p.is_meta:

@@ -176,9 +176,10 @@ def params_per_rank(m: ModelSpec, lay: Layout) -> tuple[float, float]:
     # an MoE block (router, experts, shared experts) stays whole on every tp rank (shardwise.parallel.tensor.plan);
     # its experts split over ep
     moe_share = (m.n_layers // m.moe_every) / m.n_layers if m.n_experts else 0.0  # MoE blocks per block
-    experts = moe_share * m.n_experts * mlp_params(m) / lay.ep
+    experts = moe_share * m.n_experts * mlp_params(m, m.expert_d_ff) / lay.ep
     shared = mlp_params(m, m.moe_shared * m.d_ff) if m.moe_shared else 0.0
-    dense_block = attn + 2 * norm + (1 - moe_share) * mlp + moe_share * (h * m.n_experts + shared)
+    qk = 2 * m.head_dim if m.qk_norm else 0  # QK-norm gains, whole on every tp rank
+    dense_block = attn + 2 * norm + qk + (1 - moe_share) * mlp + moe_share * (h * m.n_experts + shared)
     emb = m.vocab_size * h / t + (m.max_seq_len * h if m.flavor in ("gpt2", "bert") else 0)
     head = m.vocab_size * h / t
     first = emb + (0 if lay.pp > 1 else norm + (0 if m.tie_embeddings else head))

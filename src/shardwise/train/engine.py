@@ -5,7 +5,9 @@ the layout in one fixed order (DESIGN.md, "How layouts compose"; torchtitan's ``
 
 1. **model parts**: the pipeline cuts first -- with ``parallel.pp > 1`` this rank builds only its stages
    (``v`` chunks for the interleaved schedule, chunk ``c`` being global stage ``c * p + r``); with pp = 1
-   its one part is the whole model (on the meta device for ZeRO-3, which materialises only its slices).
+   its one part is the whole model (on the meta device for ZeRO-3, which materialises only its slices; with
+   tensor or expert parallelism every part is built on the meta device and its pieces allocated once cut,
+   :mod:`~shardwise.parallel.materialize`).
    Every part is initialised from ``(seed, name, shape)`` alone, so it equals that part of the
    single-process model;
 2. **parallelize** each part (:func:`~shardwise.parallel.parallelize.parallelize`): tensor / sequence
@@ -41,8 +43,9 @@ from shardwise.parallel.context import pop_attention_work
 from shardwise.parallel.data import DataParallel
 from shardwise.parallel.dropout import replica_key
 from shardwise.parallel.expert import state as expert_state
-from shardwise.parallel.expert.dispatch import step_metrics as moe_step_metrics
+from shardwise.parallel.expert.router_step import router_step
 from shardwise.parallel.grad_norm import clip_grad_norm
+from shardwise.parallel.materialize import materialize_parameters, reset_buffers
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import Pipeline, build_stage
 from shardwise.parallel.pipeline.checks import pipeline_partition
@@ -114,6 +117,8 @@ class Engine:
         self.parts = self._build_parts()
         for part in self.parts:
             parallelize(part, mesh, cfg, self.ledger)
+            if self._cut_on_meta:  # tp / ep cut a meta part: now allocate only this rank's pieces
+                materialize_parameters(part, cfg.model, cfg.train.seed, device)
         self.module = self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
         """What the data-parallel wrapper holds: the one part, or this rank's interleaved chunks."""
         # 3. data parallel (plain or ZeRO) over the gradient-reduction group, and the optimizer
@@ -131,15 +136,23 @@ class Engine:
 
     def _build_parts(self) -> list[nn.Module]:
         cfg, p = self.cfg, self.cfg.parallel
+        self._cut_on_meta = self.tp_group is not None or self.ep_group is not None
+        """Tensor / expert parallelism cut the part on the meta device; its pieces are allocated afterwards
+        (:mod:`shardwise.parallel.materialize`), so no rank ever holds its whole stage."""
         if p.pp > 1:
             method, boundaries = pipeline_partition(p.pp_partition)
             self.split = partition(cfg.model, p.pp * p.pp_virtual, method, boundaries, seq_len=cfg.data.seq_len)
             rank = self.mesh.rank("pp")
             stages = [c * p.pp + rank for c in range(p.pp_virtual)]
-            return [build_stage(cfg.model, s, p.pp * p.pp_virtual, self.split[s], cfg.train.seed, self.device)
-                    for s in stages]
-        if p.zero == 3 and self.tp_group is None and self.ep_group is None:
-            # ZeRO-3 materialises only its slices (tp and ep slice real weights)
+            device = torch.device("meta") if self._cut_on_meta else self.device
+            parts = [build_stage(cfg.model, s, p.pp * p.pp_virtual, self.split[s], cfg.train.seed, device)
+                     for s in stages]
+            for part in parts if self._cut_on_meta else []:
+                materialize_buffers(part, self.device)
+                reset_buffers(part)
+            return parts
+        if self._cut_on_meta or p.zero == 3:
+            # ZeRO-3 materialises only its slices, tp and ep only their pieces (after parallelize)
             with torch.device("meta"):
                 module = Transformer(cfg.model)
             materialize_buffers(module, self.device)
@@ -245,13 +258,16 @@ class Engine:
 
     def step_metrics(self) -> dict[str, float]:
         """The schedule's (a pipeline's bubble), and where those techniques are on, the context-parallel
-        attention work and the experts' load (each a small collective; not looked for when off)."""
+        attention work and the experts' load (each a small collective; not looked for when off). With MoE
+        blocks it also ends the routers' step: their load summed over the global batch moves the
+        ``sigmoid_bias`` routers' balancing biases (:func:`~shardwise.parallel.expert.router_step.router_step`);
+        the loop calls it once after every optimizer step."""
         out = self.schedule.step_metrics()
         if self.mesh.size("cp") > 1:
             out.update(pop_attention_work(self.module))
         if self.cfg.model.n_experts:
             sp = self.tp_group if self.cfg.parallel.sequence_parallel else None
-            out.update(moe_step_metrics(self.module, self.group, self.pp_group, seq_group=sp))
+            out.update(router_step(self.module, self.group, self.pp_group, seq_group=sp))
         return out
 
     def write_timeline(self, run_dir: Path, step: int) -> None:

@@ -4,10 +4,11 @@ experts do not compose with yet, one line each."""
 
 from __future__ import annotations
 
-from shardwise.checks import Unused, divisors, positive
+from shardwise.checks import Unused, choice, divisors, positive
 from shardwise.config import Config, ConfigError, ModelConfig
 
-MOE_FIELDS = ("moe_top_k", "moe_every", "moe_shared", "moe_capacity_factor", "moe_aux_coeff", "moe_z_coeff")
+MOE_FIELDS = ("moe_top_k", "moe_every", "moe_shared", "moe_capacity_factor", "moe_aux_coeff", "moe_z_coeff",
+              "moe_router", "moe_d_ff")
 
 
 def check_moe_fields(m: ModelConfig) -> None:
@@ -19,8 +20,10 @@ def check_moe_fields(m: ModelConfig) -> None:
     if m.n_experts and m.moe_every > m.n_layers:
         raise ConfigError(f"model.moe_every={m.moe_every} exceeds model.n_layers={m.n_layers}: no block would be "
                           f"MoE; use 1..{m.n_layers}")
-    for key in ("moe_shared", "moe_capacity_factor", "moe_aux_coeff", "moe_z_coeff"):
+    for key in ("moe_shared", "moe_capacity_factor", "moe_aux_coeff", "moe_z_coeff", "moe_bias_rate"):
         positive(f"model.{key}", getattr(m, key), allow_zero=True)
+    choice("model.moe_router", m.moe_router)
+    positive("model.moe_d_ff", m.moe_d_ff)
 
 
 def check(cfg: Config) -> None:
@@ -49,5 +52,9 @@ def check(cfg: Config) -> None:
 
 
 def unused(cfg: Config) -> list[Unused]:
+    m = cfg.model
     why = "configures mixture-of-experts blocks, but model.n_experts=0; set model.n_experts or remove it"
-    return [Unused(f"model.{k}", cfg.model.n_experts > 0, why) for k in MOE_FIELDS]
+    bias = (f"moves the sigmoid_bias router's balancing bias, but model.moe_router={m.moe_router!r} has none; "
+            "set model.moe_router='sigmoid_bias' or remove it")
+    return [Unused(f"model.{k}", m.n_experts > 0, why) for k in MOE_FIELDS] + [
+        Unused("model.moe_bias_rate", m.n_experts > 0 and m.moe_router == "sigmoid_bias", bias)]

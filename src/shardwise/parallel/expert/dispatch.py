@@ -36,7 +36,7 @@ from torch import nn
 
 from shardwise.dist.comm.collectives import all_to_all, all_to_all_v
 from shardwise.dist.comm.counting import CommStats
-from shardwise.model.moe import ExpertLinear, Experts, moe_layers, moe_metrics, pop_moe_totals
+from shardwise.model.moe import ExpertLinear, Experts, moe_layers
 from shardwise.parallel.tensor.layers import TPShard
 
 
@@ -138,28 +138,3 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, stats: Com
 def all_to_all_algorithm(comm_cfg) -> str:
     """``comm.algorithm`` "native" picks the backend's all-to-all; any other value ours ("pairwise")."""
     return "native" if comm_cfg.algorithm == "native" else "pairwise"
-
-
-def step_metrics(model: nn.Module, group: dist.ProcessGroup | None,
-                 pp_group: dist.ProcessGroup | None = None, seq_group: dist.ProcessGroup | None = None
-                 ) -> dict[str, float]:
-    """The step's router metrics over the whole global batch: every data-parallel rank's sums (its own
-    tokens) added over ``group`` (a collective where the model has MoE blocks), then
-    :func:`shardwise.model.moe.moe_metrics`. ``pp_group`` (a collective on every stage, with or without
-    MoE blocks): each stage's blocks joined, their sums added. ``seq_group`` (sequence parallelism's tp
-    group): its ranks routed different tokens of the same sequences, so their slot counts are added too
-    (the losses each of them holds are already the whole sequence's)."""
-    totals = pop_moe_totals(model)
-    if totals is not None and seq_group is not None and dist.get_world_size(seq_group) > 1:
-        counts = totals[:-3].clone()  # slots per expert, routed, dropped; not the losses nor the forwards
-        dist.all_reduce(counts, group=seq_group)
-        totals[:-3] = counts
-    if totals is not None and group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(totals, group=group)
-    if pp_group is not None:
-        stages: list[torch.Tensor | None] = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(stages, totals, group=pp_group)
-        stages = [t for t in stages if t is not None]
-        totals = None if not stages else torch.cat(
-            [torch.cat([t[:-5] for t in stages]), torch.stack([t[-5:] for t in stages]).sum(0)])
-    return {} if totals is None else moe_metrics(totals)

@@ -12,7 +12,8 @@ the model's code changing. The layout is Megatron's (Shoeybi et al. 2019, "Megat
 * token embedding vocabulary-parallel; ``lm_head`` column-parallel over the vocabulary (for GPT-2 the
   same Parameter as the embedding: the same rows, still tied), its logits consumed by the
   vocabulary-parallel cross-entropy (:mod:`shardwise.parallel.tensor.loss`), never gathered;
-* position embeddings and norms replicated.
+* position embeddings and norms replicated; a QK-norm's gain (one per head dimension, shared by the heads)
+  too, its gradient summed over the ranks' heads by a hook (:data:`PER_HEAD_NORMS`).
 
 Grouped-query attention (Ainslie et al. 2023): query head ``h`` uses key/value head
 ``h // (n_heads / n_kv_heads)``. With ``tp <= n_kv_heads`` rank r holds kv heads
@@ -74,6 +75,9 @@ STYLES = ("vocab_embedding", "positions", "region", "colwise", "colwise_kv", "ro
   :class:`VocabParallelLoss`;
 * ``replicate``: whole on every rank (norms).
 """
+
+PER_HEAD_NORMS = ("attn.q_norm.weight", "attn.k_norm.weight")
+"""Whole on every tp rank but applied to the rank's heads only: gradients summed over tp (``grad_sync="sum"``)."""
 
 _BLOCK_ATTN = {
     "blocks.*.norm1": "replicate",
@@ -233,9 +237,11 @@ def apply_tensor_parallel(
         else:
             raise ValueError(f"tensor-parallel plan: unknown style {style!r} for {path!r}; use one of {STYLES}")
     seen: set[int] = set()
-    for p in model.parameters():  # everything not split is whole on every rank
+    for name, p in model.named_parameters():  # everything not split is whole on every rank
         if id(p) not in seen and getattr(p, "tp_shard", None) is None:
-            mark(p, replicated(p, axis, tp, rank, "sum" if sp else None))
+            # a per-head norm (QK-norm) sees only this rank's heads: its gradient is partial, like under SP
+            per_head = name.endswith(PER_HEAD_NORMS)
+            mark(p, replicated(p, axis, tp, rank, "sum" if sp or per_head else None))
         seen.add(id(p))
     install_grad_sync(model, group, stats)
     return model
