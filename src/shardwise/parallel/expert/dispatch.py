@@ -77,6 +77,7 @@ class ExpertParallel(Experts):
         self.group, self.stats, self.algorithm, self.timeout_s = group, stats, algorithm, timeout_s
         self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.n_experts, self.flavor = experts.n_local, experts.flavor
+        self.kernel, self.capability, self.widths = experts.kernel, experts.capability, experts.widths
         if self.n_experts % self.ep:
             raise ValueError(f"parallel.ep={self.ep} does not divide model.n_experts={self.n_experts}")
         self.n_local = self.n_experts // self.ep
@@ -105,7 +106,7 @@ class ExpertParallel(Experts):
         out_splits = got.sum(1).tolist()
         arrived = dispatch(x, out_splits, in_splits, self.group, self.algorithm, self.stats, self.timeout_s)
         perm = _expert_major(got)
-        y = super().forward(arrived[perm.to(arrived.device)], got.sum(0).tolist())  # in the graph with no tokens too
+        y = super().forward(arrived[perm.to(arrived.device)], got.sum(0).to(x.device))  # with no tokens too
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel())
         return dispatch(y[back.to(y.device)], in_splits, out_splits, self.group, self.algorithm, self.stats,
