@@ -80,19 +80,22 @@ class Stage3Hooks:
             unit.after_gather = None
 
     def _free(self, unit: FlatUnit) -> None:
-        if self.stage == 3:
+        if self.stage == 3 and not self._hold:  # a pipeline step keeps its units until the flush
             if unit.gather_work is not None:
                 self._finish_gather(unit)
             unit.free_full()
 
-    def _root_pre_forward(self, _module, _args) -> None:
-        self._gather(self.units[0])
-        if len(self.units) > 1:
-            self._gather(self.units[1], wait=False)
+    def _root_pre_forward(self, module, _args) -> None:
+        """A chunk (the model, or one of a pipeline rank's chunks) starts: gather the root, prefetch the
+        chunk's first unit."""
+        if self.root is not None:
+            self._gather(self.root)
+        if (first := self._chunk_first_unit[id(module)]) is not None:
+            self._gather(first, wait=False)
 
     def _root_post_forward(self, _module, _args, _output) -> None:
-        if not torch.is_grad_enabled():
-            self._free(self.units[0])
+        if not torch.is_grad_enabled() and self.root is not None:
+            self._free(self.root)
 
     def _unit_pre_forward_hook(self, module, _args) -> None:
         unit = self._module_unit[(id(module), "pre")]
@@ -112,7 +115,7 @@ class Stage3Hooks:
     def _pre_backward(self, unit: FlatUnit) -> None:
         self._start_backward()
         self._gather(unit)
-        if unit.index - 1 >= 1:
+        if unit.index - 1 >= (1 if self.root is not None else 0):
             self._gather(self.units[unit.index - 1], wait=False)
 
 

@@ -96,6 +96,12 @@ def _weak(engine: ZeroDataParallel, method: str, *bound) -> Callable:
     return call
 
 
+def _blocks_of(chunk: nn.Module) -> list[nn.Module]:
+    """A model's (``ModuleList``) or a pipeline stage's (``ModuleDict`` by layer id) transformer blocks."""
+    blocks = chunk.blocks
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+
+
 class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
     """Shard ``module``'s training state over ``group`` with ZeRO stage ``stage`` (1, 2 or 3).
 
@@ -161,6 +167,13 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         self.group = group
         self.expert_group = expert_group
         self.stage = stage
+        self.chunks = list(module) if isinstance(module, nn.ModuleList) else [module]
+        """The modules a caller runs: the model, or a pipeline rank's chunks (an ``nn.ModuleList``)."""
+        self._hold = False
+        """Inside :meth:`pipeline_step`: gradients accumulate unsharded, ZeRO-3 units stay gathered."""
+        self.flush_bytes: dict[str, int] = {}
+        """Measured at the last pipeline flush (:meth:`reduce_gradients`), from storages: ``gathered`` (ZeRO-3's
+        units held gathered) and ``grad_accum`` (stages 2-3's gradients accumulated unsharded)."""
         self.quant_weights, self.quant_grads = quant_weights, quant_grads
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -214,7 +227,8 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             if stage == 1:  # gradients accumulate straight into the flat buffer (no second copy)
                 for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
                     p.grad = u.grad_full[off:off + n].view(p.shape)
-        self.masters = MasterStore(self.units, offload, offload_dir, self.rank)
+        # files named by the global rank: other stages' and tensor-parallel ranks share a data-parallel rank
+        self.masters = MasterStore(self.units, offload, offload_dir, dist.get_rank())
         self._grad_pool = BufferPool(keep={1: 1, 2: 2, 3: 0}[stage])
         """Flat gradients and exchange scratch kept for reuse (stage 1: a scratch; 2: two units; 3: none, so
         that memory follows the units as in FSDP)."""
@@ -224,13 +238,18 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         if stage > 1:  # gradients are accumulated straight into each unit's flat buffer
             self._hooks += [p.register_hook(_weak(self, "_into_flat_grad", i)) for i, p in enumerate(self._params)]
         if stage == 3:
-            self._hooks.append(module.register_forward_pre_hook(_weak(self, "_root_pre_forward")))
-            self._hooks.append(module.register_forward_hook(_weak(self, "_root_post_forward")))
-            for u, (first, last) in zip(self.units[1:], self._stage3_modules, strict=True):
+            for u, (first, last) in zip(self.block_units, self._stage3_modules, strict=True):
                 self._hooks.append(first.register_forward_pre_hook(_weak(self, "_unit_pre_forward_hook")))
                 self._hooks.append(last.register_forward_hook(_weak(self, "_unit_post_forward_hook")))
                 self._module_unit[(id(first), "pre")] = u
                 self._module_unit[(id(last), "post")] = u
+            for chunk in self.chunks:  # the root is gathered as each chunk starts; its first unit is prefetched
+                inside = {id(m) for m in chunk.modules()}
+                firsts = [u for u, (first, _) in zip(self.block_units, self._stage3_modules, strict=True)
+                          if id(first) in inside]
+                self._chunk_first_unit[id(chunk)] = firsts[0] if firsts else None
+                self._hooks.append(chunk.register_forward_pre_hook(_weak(self, "_root_pre_forward")))
+                self._hooks.append(chunk.register_forward_hook(_weak(self, "_root_post_forward")))
         self._had_grad = bytearray(sum(len(u.params) for u in self.units))
         """Per parameter (units in order): did it receive a gradient this step on this rank."""
         self.direct_exchange = self.world > 1 and exchange.use_exchange(group, self.units[0].shard)
@@ -254,6 +273,16 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
                 raise ValueError(f"ZeroDataParallel: {name} is on the meta device but is not a trained parameter; "
                                  "materialise buffers first (shardwise.parallel.zero.meta.materialize_buffers)")
 
+    @property
+    def root(self) -> FlatUnit | None:
+        """ZeRO-3's root unit (every parameter outside the block units), if there is one."""
+        return self.units[0] if self.stage == 3 and self._has_root else None
+
+    @property
+    def block_units(self) -> list[FlatUnit]:
+        """ZeRO-3's units of blocks (and experts), in forward order."""
+        return self.units[1:] if self.root is not None else list(self.units)
+
     def _is_expert(self, p: nn.Parameter) -> bool:
         """Whether ``p`` is sliced over the expert group (an expert-parallel shard)."""
         return self.expert_group is not None and getattr(p, "ep_shard", None) is not None
@@ -264,13 +293,14 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             ids = {id(p): (n, p) for n, p in named}
             buckets = _assign_buckets([p for _, p in named], cap, kind=self._is_expert)
             return [[ids[id(p)] for p in b] for b in buckets]
-        if unit_modules is None:
-            blocks = list(self.module.blocks)
-            unit_modules = [blocks[i:i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
+        if unit_modules is None:  # a unit never spans two chunks: they run at different times
+            unit_modules = [blocks[i:i + unit_blocks] for blocks in map(_blocks_of, self.chunks)
+                            for i in range(0, len(blocks), unit_blocks)]
         if self.expert_group is not None:  # each group's expert modules follow it as a unit of their own
             unit_modules = [u for mods in unit_modules for u in [mods, *self._expert_modules(mods)]]
         self._stage3_modules: list[tuple[nn.Module, nn.Module]] = []
         self._module_unit: dict[tuple[int, str], FlatUnit] = {}
+        self._chunk_first_unit: dict[int, FlatUnit | None] = {}
         owner = {id(p): n for n, p in named}
         taken: set[int] = set()
         groups = []
@@ -283,7 +313,8 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             groups.append(g)
             self._stage3_modules.append((mods[0], mods[-1]))
         root = [(n, p) for n, p in named if id(p) not in taken]
-        return [root] + groups
+        self._has_root = bool(root)  # a middle pipeline stage holds blocks only
+        return [root] + groups if root else groups
 
     def _expert_modules(self, mods) -> list[nn.Module]:
         """The outermost modules inside ``mods`` holding only expert shards (one per MoE block)."""
@@ -306,6 +337,20 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             yield
         finally:
             self._sync = previous
+
+    @contextlib.contextmanager
+    def pipeline_step(self) -> Iterator[None]:
+        """A pipeline step's forward and backward passes (every micro-batch of every chunk, in the schedule's
+        order), followed by :meth:`reduce_gradients` after the flush. Inside, gradients accumulate unsharded
+        (stages 2 and 3 straight into each unit's flat buffer), nothing is communicated, and ZeRO-3 keeps each
+        unit gathered from its first forward on: one gather and one reduce-scatter per unit and step (see
+        the module docstring, "Inside a pipeline")."""
+        previous = self._sync, self._hold
+        self._sync, self._hold = False, True
+        try:
+            yield
+        finally:
+            self._sync, self._hold = previous
 
     def forward(self, *args, **kwargs):
         if self._in_backward:  # the previous backward died half-way
