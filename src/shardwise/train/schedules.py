@@ -10,9 +10,9 @@ the data-parallel wrapper's gradients averaged over its group:
   ZB-H1; :class:`~shardwise.parallel.pipeline.Pipeline`) runs every micro-batch's forward and backward
   with gradients accumulating, then the wrapper reduces them once, after the flush (Narayanan et al.
   2021 §3). Under ZeRO-2/3 the gradients accumulate unsharded and ZeRO-3 keeps a stage's parameters
-  gathered from its first forward to the flush (:meth:`~shardwise.parallel.zero.ZeroDataParallel.pipeline_step`). The last stage's loss, plus the auxiliary router losses of earlier stages' mixture-of-experts
-  blocks, is summed along the pipeline; each step's timelines are gathered for the measured bubble (§2.2)
-  and ``timeline.json``.
+  gathered from its first forward to the flush (``ZeroDataParallel.pipeline_step``). The last stage's
+  loss, plus the auxiliary router losses of earlier stages' mixture-of-experts blocks, is summed along the
+  pipeline; each step's timelines are gathered for the measured bubble (§2.2) and ``timeline.json``.
 """
 
 from __future__ import annotations
