@@ -9,8 +9,7 @@ layer ``y = x W^T + b`` is two independent computations -- ``B``, the gradient o
 :class:`_DeferrableLinear`, whose backward returns ``dx`` at once and, while a
 :class:`WeightGradStore` is deferring, queues ``(x, dy)`` under the current micro-batch instead of
 computing ``dW``/``db``; :meth:`WeightGradStore.run` later computes and accumulates them into ``.grad``
-(the schedule's ``W`` action) through autograd's AccumulateGrad, so a data-parallel wrapper's gradient hooks
-see them as they see ``B``'s. Other parameters (norms, embeddings) get their gradients in ``B``.
+(the schedule's ``W`` action). Other parameters (norms, embeddings) get their gradients in ``B``.
 
 The matmuls use the dtype autograd would: under ``torch.autocast`` the forward casts ``x`` and the
 weight exactly as ``F.linear`` does and saves the cast copies, so ``dW`` is computed in that dtype and
@@ -76,22 +75,25 @@ class WeightGradStore:
         return sum(len(q) for q in self._queues.values())
 
 
-def _accumulate(params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
-    """Add each gradient into its parameter's ``.grad`` by autograd's own AccumulateGrad: a backward pass
-    from the parameters themselves. So the hooks a data-parallel wrapper put on them (ZeRO's flat gradient
-    buffers and "had a gradient" flags, :mod:`shardwise.parallel.zero.reduce`) see a deferred gradient as
-    they see one computed in ``B``."""
-    torch.autograd.backward(params, [g.to(p.dtype) for p, g in zip(params, grads, strict=True)])
+@torch.no_grad()
+def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Add ``grad`` into ``param.grad`` as autograd's AccumulateGrad would (first write stores it), outside
+    autograd: a data-parallel wrapper may have made ``.grad`` a view of its flat buffer (ZeRO), created without
+    gradients. In ``B`` autograd already ran the parameter's hooks (with no gradient), so ZeRO has flagged it
+    and placed its ``.grad`` in that buffer before ``W`` adds into it."""
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
 
 
 def _weight_grads(x: torch.Tensor, grad_out: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
     """``W`` of one linear layer (Qi et al. 2024 §2): ``dW = dy^T x``, ``db = sum dy`` over batch and time."""
     dy = grad_out.reshape(-1, grad_out.shape[-1])
-    grad_w = dy.t().mm(x.reshape(-1, x.shape[-1]))
-    if bias is None:
-        _accumulate([weight], [grad_w])
-    else:
-        _accumulate([weight, bias], [grad_w, dy.sum(0)])
+    _accumulate(weight, dy.t().mm(x.reshape(-1, x.shape[-1])))
+    if bias is not None:
+        _accumulate(bias, dy.sum(0))
 
 
 class _DeferrableLinear(torch.autograd.Function):
