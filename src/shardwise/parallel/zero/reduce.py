@@ -149,34 +149,6 @@ class GradReduction:
         finally:
             self._reset()
 
-    @torch.no_grad()
-    def reduce_gradients(self) -> None:
-        """Reduce every unit's accumulated gradients now and hand the masters their slices: for a caller
-        whose backward passes all ran under :meth:`pipeline_step` (or ``no_sync``) -- a pipeline schedule,
-        whose micro-batches' backward passes interleave with other stages' work, so no single pass is "the
-        last" (Narayanan et al. 2021 §3: the data-parallel reduction follows the pipeline flush). ZeRO-3's
-        units, held gathered through the step, are freed once their gradients are reduced."""
-        self.flush_bytes = self._held_bytes()
-        self._reset()
-        self._reduce_rest()
-        self._reset()
-        if self.stage == 3:
-            for u in self.units:
-                self._free(u)
-
-    def _held_bytes(self) -> dict[str, int]:
-        """What a pipeline step holds at its flush beyond the sharded model state, from the storages:
-        ZeRO-3's gathered units, and stages 2-3's unsharded gradients (flat buffers and any ``.grad`` of
-        its own). Stage 1's full gradients are its model state (``grads``)."""
-        if self.stage == 1:
-            return {}
-        grads = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                 for t in [u.grad_flat for u in self.units] + [p.grad for p in self._params] if t is not None}
-        out = {"grad_accum": sum(grads.values())}
-        if self.stage == 3:
-            out["gathered"] = sum(u.full.untyped_storage().nbytes() for u in self.units if u.gathered)
-        return out
-
     def _reduce_rest(self) -> None:
         """Reduce the units not reduced yet, wait for every reduction, hand each master its slice."""
         while self._next < len(self._order):

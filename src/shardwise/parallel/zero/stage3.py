@@ -31,6 +31,16 @@ from shardwise.parallel.zero.quant import all_gather_int8
 class Stage3Hooks:
     """Gather / free / prefetch for the units of a ZeRO-3 engine (``self.units[0]`` is the root)."""
 
+    @property
+    def root(self) -> FlatUnit | None:
+        """ZeRO-3's root unit (every parameter outside the block units), if there is one."""
+        return self.units[0] if self.stage == 3 and self._has_root else None
+
+    @property
+    def block_units(self) -> list[FlatUnit]:
+        """ZeRO-3's units of blocks (and experts), in forward order."""
+        return self.units[1:] if self.root is not None else list(self.units)
+
     def _gather(self, unit: FlatUnit, wait: bool = True) -> None:
         """Make ``unit.full`` hold the unit's parameters (launch the gather; wait unless ``wait=False``).
 

@@ -34,6 +34,9 @@ and nothing is communicated (like torch DDP's ``no_sync`` and FSDP2's
 accumulation exactly equal to the unsharded run, at the cost of holding full gradients
 between micro-batches.
 
+Inside a pipeline gradients accumulate unsharded and ZeRO-3 units stay gathered until the flush
+(:mod:`.pipeline`).
+
 Mixed precision: the trainer keeps fp32 parameters and lets ``torch.autocast`` make the
 low-precision compute copies, so by default the flat parameter buffers are fp32 and the master
 weights are *views* of the rank's slice of them (no second copy). With ``param_dtype`` (e.g.
@@ -78,6 +81,7 @@ from shardwise.parallel.zero.flat import FlatUnit
 from shardwise.parallel.zero.hpz import NodePartition, node_groups
 from shardwise.parallel.zero.meta import check_ranks_agree, structure_hash
 from shardwise.parallel.zero.offload import MasterStore
+from shardwise.parallel.zero.pipeline import PipelineFlush
 from shardwise.parallel.zero.reduce import BufferPool, GradReduction
 from shardwise.parallel.zero.stage3 import Stage3Hooks
 
@@ -102,7 +106,7 @@ def _blocks_of(chunk: nn.Module) -> list[nn.Module]:
     return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
 
 
-class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
+class ZeroDataParallel(GradReduction, Stage3Hooks, PipelineFlush, nn.Module):
     """Shard ``module``'s training state over ``group`` with ZeRO stage ``stage`` (1, 2 or 3).
 
     Use with :class:`shardwise.parallel.zero.ZeroOptimizer`, which steps the rank's master
@@ -273,16 +277,6 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
                 raise ValueError(f"ZeroDataParallel: {name} is on the meta device but is not a trained parameter; "
                                  "materialise buffers first (shardwise.parallel.zero.meta.materialize_buffers)")
 
-    @property
-    def root(self) -> FlatUnit | None:
-        """ZeRO-3's root unit (every parameter outside the block units), if there is one."""
-        return self.units[0] if self.stage == 3 and self._has_root else None
-
-    @property
-    def block_units(self) -> list[FlatUnit]:
-        """ZeRO-3's units of blocks (and experts), in forward order."""
-        return self.units[1:] if self.root is not None else list(self.units)
-
     def _is_expert(self, p: nn.Parameter) -> bool:
         """Whether ``p`` is sliced over the expert group (an expert-parallel shard)."""
         return self.expert_group is not None and getattr(p, "ep_shard", None) is not None
@@ -337,20 +331,6 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             yield
         finally:
             self._sync = previous
-
-    @contextlib.contextmanager
-    def pipeline_step(self) -> Iterator[None]:
-        """A pipeline step's forward and backward passes (every micro-batch of every chunk, in the schedule's
-        order), followed by :meth:`reduce_gradients` after the flush. Inside, gradients accumulate unsharded
-        (stages 2 and 3 straight into each unit's flat buffer), nothing is communicated, and ZeRO-3 keeps each
-        unit gathered from its first forward on: one gather and one reduce-scatter per unit and step (see
-        the module docstring, "Inside a pipeline")."""
-        previous = self._sync, self._hold
-        self._sync, self._hold = False, True
-        try:
-            yield
-        finally:
-            self._sync, self._hold = previous
 
     def forward(self, *args, **kwargs):
         if self._in_backward:  # the previous backward died half-way
