@@ -54,14 +54,14 @@ class PipelineFlush:
         whose backward passes all ran under :meth:`pipeline_step` (or ``no_sync``) -- a pipeline schedule,
         whose micro-batches' backward passes interleave with other stages' work, so no single pass is "the
         last" (Narayanan et al. 2021 §3: the data-parallel reduction follows the pipeline flush). ZeRO-3's
-        units, held gathered through the step, are freed once their gradients are reduced."""
+        units, held gathered through the step, are freed first: the reduction needs only the gradients."""
         self.flush_bytes = self._held_bytes()
-        self._reset()
-        self._reduce_rest()
-        self._reset()
         if self.stage == 3:
             for u in self.units:
                 self._free(u)
+        self._reset()
+        self._reduce_rest()
+        self._reset()
 
     def _held_bytes(self) -> dict[str, int]:
         """What a pipeline step holds at its flush beyond the sharded model state, from the storages:
