@@ -42,10 +42,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch import nn
 
 from shardwise.dist import free_port, shutdown_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pipeline import _Logits, _loss  # noqa: E402 - a stage as torch's pipelining calls it, and its loss
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pp_fsdp.json"
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
@@ -71,21 +73,6 @@ def config(args):
                  "train.global_batch": DP * args.microbatches * args.micro_batch, "train.grad_clip": 0}
     return resolve(Config.load(overrides={k: str(v) for k, v in overrides.items()}), world_size=PP * DP,
                    tokenizer_vocab=257)
-
-
-class _Logits(nn.Module):
-    """A stage as torch's pipelining calls it, ``stage(x)``; its ``loss_fn`` takes the last stage's logits."""
-
-    def __init__(self, stage: nn.Module):
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, x):
-        return self.stage(x)
-
-
-def _loss(logits, targets):
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def build_ours(cfg, run_dir: str):
@@ -216,11 +203,20 @@ def _memory_worker(rank: int, port: int, engine: str, args, queue) -> None:
     shutdown_distributed()
 
 
-def _launch(fn, *what):
+def _launch(fn, *what, attempts: int = 3):
+    """Run ``fn`` on PP * DP fresh processes; its rank 0's answer. A free port taken by another job between
+    choosing it and listening on it (EADDRINUSE, on a shared machine) is retried on a new port."""
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(fn, args=(free_port(), *what, queue), nprocs=PP * DP, start_method="spawn")
-    return queue.get()
+    for attempt in range(attempts):
+        queue = ctx.SimpleQueue()
+        try:
+            mp.start_processes(fn, args=(free_port(), *what, queue), nprocs=PP * DP, start_method="spawn")
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == attempts - 1:
+                raise
+            continue
+        return queue.get()
+    raise AssertionError("unreachable")
 
 
 def main(argv=None) -> dict:
