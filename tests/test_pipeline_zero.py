@@ -152,3 +152,37 @@ def test_plan_compare_equals_the_measured_bytes(runs, name, capsys):
     assert compare_run(tmp / name) == 0
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line}
     assert rows["mem_grad_accum_bytes"][-1] == "1.000"
+
+
+def _middle_stage_on_one_rank():
+    """Rank body: a middle stage (blocks only: no root unit) under ZeRO-3 in a pipeline step of two
+    micro-batches gets the plain stage's accumulated gradients, and what the flush held is its units."""
+    from shardwise.config import Config
+    from shardwise.config_resolve import resolve
+    from shardwise.parallel.pipeline import build_stage
+    from shardwise.parallel.zero import ZeroDataParallel
+
+    cfg = resolve(Config.load(overrides={"model.preset": "tiny", "model.n_layers": "3"}), world_size=1,
+                  tokenizer_vocab=256).model
+    plain, sharded = (build_stage(cfg, 1, 3, range(1, 2), seed=0) for _ in range(2))
+    engine = ZeroDataParallel(sharded, stage=3)
+    assert engine.root is None and len(engine.units) == 1
+    xs = torch.randn(2, 2, 8, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    with engine.pipeline_step():
+        for x in xs:
+            sharded(x).square().mean().backward()
+            assert engine.units[0].gathered  # kept to the flush
+    for x in xs:
+        plain(x).square().mean().backward()
+    engine.reduce_gradients()
+    assert not engine.units[0].gathered
+    assert engine.flush_bytes == {"gathered": engine.units[0].padded_numel * 4,
+                                  "grad_accum": engine.units[0].padded_numel * 4}
+    expected = dict(plain.named_parameters())
+    names = dict(zip(map(id, engine.units[0].params), engine.units[0].names, strict=True))
+    for grad, p in engine.grad_pieces():
+        torch.testing.assert_close(grad, expected[names[id(p)]].grad.reshape(-1), rtol=0, atol=0)
+
+
+def test_zero3_middle_stage_has_no_root_unit():
+    run_on_ranks(1, _middle_stage_on_one_rank)
