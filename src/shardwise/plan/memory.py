@@ -11,6 +11,8 @@ Offload moves the sharded gradients, master weights and optimizer states to host
 (ZeRO-Offload, Ren et al. 2021, §4) or NVMe (ZeRO-Infinity, Rajbhandari et al. 2021, §5).
 For layouts shardwise's ZeRO engine runs, the lines use its exact flat units, each padded to a
 multiple of N_d (:mod:`shardwise.plan.zero_layout`); the paper's unpadded Ψ/N_d stays beside them.
+Inside a pipeline ZeRO-2/3 also hold the stage's unsharded gradients and (ZeRO-3) gathered parameters
+until the flush (:func:`pipeline_flush_lines`).
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", §4, Table 2): per layer, with s tokens, micro-batch b, hidden h, a heads, t-way tensor

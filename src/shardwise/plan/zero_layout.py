@@ -12,6 +12,8 @@ n_u/N. The units are (``ZeroDataParallel._unit_groups``):
   a larger parameter gets a bucket of its own), as torch DDP does.
 * ZeRO-3: ``parallel.zero_unit`` transformer blocks per unit, plus a root unit holding every other
   parameter (embeddings, final norm, untied head).
+* inside a pipeline, the same over what pipeline rank 0 holds (:func:`first_rank_params`: its stages'
+  embedding side and blocks, registered in that order); ZeRO-3's units restart at each of its chunks.
 
 With ZeRO++ hierarchical partitioning (hpZ, ``parallel.zero_hpz = h``; Wang et al. 2023,
 "ZeRO++", §3.2; shardwise.parallel.zero.hpz) a ZeRO-3 rank also keeps, from each unit's forward
