@@ -20,7 +20,9 @@ pairwise exchanges (all blocks posted at once), timed as such.
 Volumes per technique (per rank and step, ``payload`` = bytes handed to the collective, the
 trainer's ``comm_bytes``): data parallel all-reduces the gradients once per step; ZeRO-1/2
 reduce-scatter gradients and all-gather weights (same volume, ZeRO §7.2); ZeRO-3 all-gathers the
-weights in forward and backward and reduce-scatters gradients every micro-batch (1.5×, §7.2.2);
+weights in forward and backward and reduce-scatters gradients every micro-batch (1.5×, §7.2.2); inside a
+pipeline it gathers each stage's weights once per step and keeps them to the flush, after which it
+reduce-scatters the accumulated gradients once (1×, as ZeRO-1/2; what torchtitan's FSDP does in a pipeline);
 tensor parallel all-reduces b·s·h activations twice in forward and twice in backward per layer
 (Shoeybi et al. 2019 §3), or all-gathers and reduce-scatters them with sequence parallelism
 (Korthikanti et al. 2022 §4.2.2, same volume); pipeline stages send b·s·h activations forward
@@ -204,6 +206,13 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
             add(f"ZeRO-{lay.zero} grads", "reduce-scatter", group, psi * b["grads"], 1, stride, "backward",
                 zero_algorithm)
             add(f"ZeRO-{lay.zero} weights", "all-gather", group, psi * b["params"], 1, stride, "none", zero_algorithm)
+        elif lay.pp > 1:  # a stage's units stay gathered from the first forward to the flush: once a step
+            n_units = len(units.numels) if units is not None and kind == "dense" else 0
+            psi = units.psi_padded if units is not None and kind == "dense" else psi
+            add("ZeRO-3 weights (kept over the step)", "all-gather", group, psi * b["params"], 1, stride, "compute",
+                zero_algorithm, n_units)
+            add("ZeRO-3 grads (after the flush)", "reduce-scatter", group, psi * b["grads"], 1, stride, "none",
+                zero_algorithm, n_units)
         elif units is not None and kind == "dense":
             root = sum(units.padded_numels[:units.root_units])
             n_units, blocks = len(units.numels), len(units.numels) - units.root_units  # one collective per unit
