@@ -56,9 +56,9 @@ def main(argv: list[str], overrides: dict[str, str]) -> int:
             raise ConfigError(f"--sim.{key}={value!r} must be a {FIELDS[key].__name__}") from None
     if args.steps < 1 or args.moe_imbalance < 1:
         raise ConfigError(f"--steps={args.steps} and --moe-imbalance={args.moe_imbalance} must be >= 1")
-    from shardwise.config import Config
+    from shardwise.sim.simulate import read_config
 
-    base = Config.load(args.config, overrides)
+    base = read_config(args.config, overrides)
     nodes = args.nodes or base.parallel.nnodes
     gpn = args.gpus_per_node or base.parallel.nproc or 8
     hw = build_hardware(args.gpu, nodes, gpn, args.hardware, **sim)

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from shardwise.config import Config
+import tomllib
+
+from shardwise.config import Config, ConfigError
 from shardwise.config_resolve import resolve
 from shardwise.parallel.pipeline.schedules import B, F, W, build_schedule
 from shardwise.plan.spec import resolved_model
@@ -29,10 +32,27 @@ from shardwise.sim.tasks import COMPUTE, Graph, busy_intervals, exposed_comm
 from shardwise.train.flops import training_flops_per_token
 
 
+def read_config(path: str | None, overrides: dict[str, str]) -> Config:
+    """The config tree of a file and overrides; a file's planner tables (``[plan]``, ``[cluster]``, ``[sim]``)
+    are the commands' own options, not config fields."""
+    tree = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            tree = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    cfg = Config.from_dict({k: v for k, v in tree.items() if k not in ("plan", "cluster", "sim")})
+    for dotted, text in overrides.items():
+        cfg.set_text(dotted, text)
+    return cfg
+
+
 def load_config(path: str | None, overrides: dict[str, str], hw: SimHardware) -> Config:
     """The trainer's resolved config for ``hw.nodes`` nodes of ``hw.gpus_per_node`` ranks."""
-    cfg = Config.load(path, {**overrides, "parallel.nproc": str(hw.gpus_per_node),
-                             "parallel.nnodes": str(hw.nodes)})
+    cfg = read_config(path, {**overrides, "parallel.nproc": str(hw.gpus_per_node), "parallel.nnodes": str(hw.nodes)})
     cfg.model = resolved_model(cfg)
     return resolve(cfg)
 
