@@ -21,7 +21,7 @@ import tomllib
 
 from shardwise.config import Config, ConfigError
 from shardwise.config_resolve import resolve
-from shardwise.parallel.pipeline.schedules import B, F, W, build_schedule
+from shardwise.parallel.pipeline.schedules import B, F, W, compute_order
 from shardwise.plan.spec import resolved_model
 from shardwise.sim.costs import RankCosts
 from shardwise.sim.hardware import SimHardware
@@ -169,7 +169,7 @@ def _activation_peak(cfg: Config, builder: StepBuilder, costs: RankCosts, r: int
         transient = builder._unit_bytes(r, units[0], padded=True) + sum(sizes[:2])
     if builder.pp == 1:
         return chunk_bytes(0), transient
-    order = build_schedule(p.pp_schedule, builder.pp, builder.m, builder.v)[r]
+    order = compute_order(p.pp_schedule, r, builder.pp, builder.m, builder.v)
     release = W if any(a.kind == W for a in order) else B
     sizes = {c: chunk_bytes(c * builder.pp + r) for c in range(builder.v)}
     live = peak = 0.0

@@ -17,6 +17,7 @@ they run, so that the trace and the exposed communication per axis show them.
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
@@ -97,7 +98,13 @@ class Graph:
         return max((t.end for t in self.tasks), default=start)
 
     def rank_tasks(self, rank: int) -> list[Task]:
-        return [t for t in self.tasks if rank in t.ranks]
+        """Every task of ``rank`` (all its streams), in issue order."""
+        if not hasattr(self, "_by_rank"):
+            self._by_rank: dict[int, list[Task]] = defaultdict(list)
+            for t in self.tasks:
+                for r in t.ranks:
+                    self._by_rank[r].append(t)
+        return self._by_rank[rank]
 
 
 def busy_intervals(tasks: list[Task]) -> list[tuple[float, float]]:
@@ -125,6 +132,18 @@ def exposed_comm(tasks: list[Task]) -> dict[str, float]:
     """Seconds of each axis's communication during which the rank does not compute: blocking segments in
     full, and the parts of the communication streams' tasks that no compute interval covers."""
     busy = busy_intervals(tasks)
+    starts = [a for a, _ in busy]
+    before = [0.0]  # busy time before each interval's start
+    for a, b in busy:
+        before.append(before[-1] + b - a)
+
+    def busy_until(x: float) -> float:
+        i = bisect.bisect_right(starts, x)
+        if i == 0:
+            return 0.0
+        a, b = busy[i - 1]
+        return before[i - 1] + min(x, b) - a
+
     out: dict[str, float] = defaultdict(float)
     for t in tasks:
         if t.stream == COMPUTE:  # blocking: segments inside a computation, or a collective the compute waits for
@@ -133,6 +152,5 @@ def exposed_comm(tasks: list[Task]) -> dict[str, float]:
             if t.axis is not None and not t.segments:
                 out[t.axis] += t.duration
         elif t.axis is not None and t.duration > 0:
-            covered = sum(max(0.0, min(b, t.end) - max(a, t.start)) for a, b in busy)
-            out[t.axis] += t.duration - covered
+            out[t.axis] += t.duration - (busy_until(t.end) - busy_until(t.start))
     return dict(out)
