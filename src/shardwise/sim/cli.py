@@ -59,8 +59,8 @@ def main(argv: list[str], overrides: dict[str, str]) -> int:
     from shardwise.sim.simulate import read_config
 
     base = read_config(args.config, overrides)
-    nodes = args.nodes or base.parallel.nnodes
-    gpn = args.gpus_per_node or base.parallel.nproc or 8
+    nodes = base.parallel.nnodes if args.nodes is None else args.nodes
+    gpn = (base.parallel.nproc or 8) if args.gpus_per_node is None else args.gpus_per_node
     hw = build_hardware(args.gpu, nodes, gpn, args.hardware, **sim)
     cfg = load_config(args.config, overrides, hw)
     res = simulate(cfg, hw, args.moe_imbalance)

@@ -21,7 +21,7 @@ from shardwise.model.layers import GeluMLP, RotaryEmbedding, SwiGLU
 from shardwise.model.moe import is_moe_layer
 from shardwise.model.transformer import Block, Transformer
 from shardwise.parallel.tensor.plan import block_plan, kv_rows
-from shardwise.sim.compute import BlockCost, PassCost, Roofline, Trace, trace
+from shardwise.sim.compute import BlockCost, Op, PassCost, Roofline, Trace, trace
 from shardwise.sim.hardware import SimHardware
 
 ADAMW_BYTES_PER_ELEMENT = 40
@@ -118,6 +118,8 @@ class RankCosts:
         self.imbalance = moe_imbalance
         self._blocks: dict[tuple, BlockCost] = {}
         self._traces: dict[tuple, object] = {}
+        self._core: BlockCost | None = None
+        self._core_inputs = 0.0
 
     def _traced(self, fn, *args):
         """``fn(model, *args)``, traced once per simulation."""
@@ -160,18 +162,19 @@ class RankCosts:
             if m.moe_shared:
                 mlp = mlp + rl.block_cost(self._traced(mlp_trace, rows, m.moe_shared * m.d_ff))
         self._core = core
+        self._core_inputs = 0.75 * full_core.io_bytes * share * rl.scale  # q, k, v of (q, k, v, o)
         out = (attn - core_here + core) + mlp + rest
         t = self.cfg.train
         if full:  # the block's input is kept; its forward runs again before its backward
             act = self.batch * self.tokens * m.d_model * 4 * rl.scale / (self.tp if self.sp else 1)
             return BlockCost(out.fwd, out.bwd + out.fwd, act)
-        if t.recompute == "selective":  # the attention core's forward again; its inputs kept instead of its output
-            return BlockCost(out.fwd, out.bwd + core.fwd, out.act_bytes - core.act_bytes * 0.25)
+        if t.recompute == "selective":  # the attention core's forward again; only its inputs kept
+            return BlockCost(out.fwd, out.bwd + core.fwd, out.act_bytes - core.act_bytes + self._core_inputs)
         return out
 
     def core_cost(self) -> BlockCost:
         """The attention core of one block on this rank (its share under context parallelism)."""
-        if not hasattr(self, "_core"):
+        if self._core is None:
             self.block(0)
         return self._core
 
@@ -189,10 +192,8 @@ class RankCosts:
         return memory + 4 * tensors * hw.kernel_overhead
 
 
-def _router_ops(rows: int, m: ModelConfig, backward: bool = False):
+def _router_ops(rows: int, m: ModelConfig, backward: bool = False) -> list[Op]:
     """The router's projection (and, backward, its two gradient products) as operators."""
-    from shardwise.sim.compute import Op
-
     mm = Op("mm", 2.0 * rows * m.d_model * m.n_experts, 4.0 * (rows * m.d_model + m.d_model * m.n_experts
                                                                 + rows * m.n_experts))
     return [mm, Op("mm", mm.flops, mm.bytes, True)] if backward else [mm]

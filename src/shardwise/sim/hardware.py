@@ -28,6 +28,9 @@ The GPU's peak FLOP/s, memory, NVLink and NIC bandwidths and latencies come from
 ``oversubscription``        a leaf's downlink / uplink bandwidth ratio (default 1: a non-blocking fat tree)
 ``node_bus_gbps``           a shared per-node bus every flow inside a node crosses (0 = none: NVSwitch);
                             models the memory bus of ranks that share one host's cores
+``pcie_gbps``               host-device copies of ZeRO-Offload, GB/s per GPU (default 25: PCIe 4.0 x16)
+``host_gbps``               host memory bandwidth one GPU's CPU optimizer step gets, GB/s (default 50, assumed)
+``nvme_gbps``               NVMe bandwidth per GPU for ``parallel.offload = "disk"``, GB/s (default 5)
 ``storage_write_gbps``      aggregate checkpoint write bandwidth of the file system, GB/s (default 100)
 ``storage_read_gbps``       aggregate read bandwidth (default 200)
 ``restart_s``               seconds to reschedule and start the job after a failure, before it loads
@@ -60,7 +63,8 @@ FIELDS = {
     "kernel_overhead_us": float, "step_overhead_ms": float, "call_latency_us": float, "attention": str,
     "backend": str, "overlap": bool, "nic_gbit": float, "nics_per_node": int, "leaf_nodes": int,
     "oversubscription": float,
-    "node_bus_gbps": float, "storage_write_gbps": float, "storage_read_gbps": float, "restart_s": float,
+    "node_bus_gbps": float, "pcie_gbps": float, "host_gbps": float, "nvme_gbps": float,
+    "storage_write_gbps": float, "storage_read_gbps": float, "restart_s": float,
 }
 
 
@@ -93,6 +97,9 @@ class SimHardware:
     oversubscription: float = 1.0
     node_bus_bw: float = 0.0
     """Bytes/s of the shared per-node bus (0: none)."""
+    pcie_bw: float = 25 * GB
+    host_bw: float = 50 * GB
+    nvme_bw: float = 5 * GB
     storage_write_bw: float = 100 * GB
     storage_read_bw: float = 200 * GB
     restart_s: float = 120.0
@@ -162,7 +169,9 @@ def build_hardware(gpu_name: str, nodes: int, gpus_per_node: int, path: str | Pa
         attention=t.get("attention", "flash"), backend=t.get("backend", "nccl"), overlap=t.get("overlap", True),
         nic_bw=t.get("nic_gbit", 0.0) / 8 * GB, nics_per_node=t.get("nics_per_node", 0),
         leaf_nodes=t.get("leaf_nodes", 32), oversubscription=t.get("oversubscription", 1.0),
-        node_bus_bw=t.get("node_bus_gbps", 0.0) * GB, storage_write_bw=t.get("storage_write_gbps", 100.0) * GB,
+        node_bus_bw=t.get("node_bus_gbps", 0.0) * GB, pcie_bw=t.get("pcie_gbps", 25.0) * GB,
+        host_bw=t.get("host_gbps", 50.0) * GB, nvme_bw=t.get("nvme_gbps", 5.0) * GB,
+        storage_write_bw=t.get("storage_write_gbps", 100.0) * GB,
         storage_read_bw=t.get("storage_read_gbps", 200.0) * GB, restart_s=t.get("restart_s", 120.0))
     check(hw)
     return hw
@@ -182,7 +191,7 @@ def check(hw: SimHardware) -> None:
     if hw.leaf_nodes < 1 or hw.nics < 1 or hw.gpus_per_node % hw.nics:
         raise ConfigError(f"sim.leaf_nodes={hw.leaf_nodes} must be >= 1 and sim.nics_per_node={hw.nics} must "
                           f"divide --gpus-per-node={hw.gpus_per_node}")
-    for name in ("hbm_bw", "storage_write_bw", "storage_read_bw", "nic_bandwidth"):
+    for name in ("hbm_bw", "storage_write_bw", "storage_read_bw", "nic_bandwidth", "pcie_bw", "host_bw", "nvme_bw"):
         if getattr(hw, name) <= 0:
             raise ConfigError(f"sim: {name} must be positive")
     if min(hw.kernel_overhead, hw.step_overhead, hw.call_latency, hw.restart_s, hw.node_bus_bw) < 0:

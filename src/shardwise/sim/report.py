@@ -103,7 +103,7 @@ def plot(res: SimResult, path: str | Path, max_ranks: int = 8, title: str | None
     ax.legend(handles=handles, ncol=len(handles), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12))
     s = res.summary()
     bubble = f", bubble {s['bubble']:.1%}" if s["bubble"] is not None else ""
-    ax.set_title((title + ": " if title else "") + f"simulated step {res.step_time_s * scale:.3g} {unit}, "
+    ax.set_title((title + ": " if title else "") + f"simulated step {res.step_time_s * scale:.4g} {unit}, "
                  f"MFU {res.mfu:.1%}{bubble}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

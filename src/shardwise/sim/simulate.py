@@ -145,6 +145,9 @@ def _rank_report(cfg: Config, builder: StepBuilder, costs: RankCosts, graph: Gra
     tasks = graph.rank_tasks(r)
     busy = sum(b - a for a, b in busy_intervals(tasks))
     states = state_bytes(cfg, builder.params[r])
+    if cfg.parallel.zero == 3 and cfg.parallel.zero_hpz > 1:  # hpZ's secondary partitions, forward to backward
+        units = builder.params[r].groups[1:]
+        states["params"] += sum(builder._unit_bytes(r, u, padded=True) for u in units) / cfg.parallel.zero_hpz
     act, transient = _activation_peak(cfg, builder, costs, r)
     return RankReport(r, busy, exposed_comm(tasks), states, act, transient)
 

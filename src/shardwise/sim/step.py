@@ -66,6 +66,8 @@ class StepBuilder:
         self.layers = LayerComm(cfg, costs, self._comm_on(0), moe_imbalance)
         self.graph = Graph(self.pp)
         self._comm_cache: dict[tuple, float] = {}
+        self._copies: dict[int, list[Task]] = {}
+        """ZeRO-Offload's gradient copies to the host, per rank: the host's optimizer step waits for them."""
         self._groups: dict[str, list[list[int]]] = {}
         self.algorithms: dict[str, str] = {}
         """Which algorithm each (axis, collective) was costed with (the cheaper of ring and two-level)."""
@@ -76,7 +78,11 @@ class StepBuilder:
     # ---- communication on the representative's groups ------------------------------------------------------
 
     def groups(self, axis: str, r: int) -> list[list[int]]:
-        """Every group of ``axis`` among the ranks of pipeline rank ``r`` (they all communicate at once)."""
+        """Every group of ``axis`` among the ranks of pipeline rank ``r`` (they all communicate at once);
+        ``hpz``: ZeRO++'s node subgroups, runs of ``parallel.zero_hpz`` consecutive ranks of each dp x cp group."""
+        if axis == "hpz":
+            h = self.cfg.parallel.zero_hpz
+            return [g[i:i + h] for g in self.groups("dp_cp", r) for i in range(0, len(g), h)]
         if axis not in self._groups:
             self._groups[axis] = self.dims.groups(axis)
         lo, hi = r * self.per_stage, (r + 1) * self.per_stage
@@ -237,10 +243,10 @@ class StepBuilder:
                 deps = [previous]
                 if zero3 and u > 0:
                     if u not in gathers:  # the unit's pre-backward hook: gather it, prefetch the one before
-                        gathers[u] = self._gather(0, rp.groups[u], [previous], f"gather u{u} bwd mb{mb}")
+                        gathers[u] = self._gather(0, rp.groups[u], [previous], f"gather u{u} bwd mb{mb}", True)
                         if u - 1 >= 1:
                             gathers[u - 1] = self._gather(0, rp.groups[u - 1], [previous],
-                                                          f"gather u{u - 1} bwd mb{mb}")
+                                                          f"gather u{u - 1} bwd mb{mb}", True)
                     deps.append(gathers[u])
                 previous = self._task(0, f"B{mb} {pc}", "B", self.layers.segments(pc, "B"), deps, mb=mb)
                 if not last or shard == 1:
@@ -277,13 +283,23 @@ class StepBuilder:
             launched += 1
         return previous, launched
 
-    def _gather(self, r: int, unit: list[int], deps, name: str) -> Task:
+    def _gather(self, r: int, unit: list[int], deps, name: str, backward: bool = False) -> Task:
+        """A ZeRO-3 unit's all-gather; in backward with hpZ, inside the node from the secondary partitions."""
         nbytes = self._unit_bytes(r, unit, padded=True)
-        return self._comm_task([r], name, "dp", self.comm("dp_cp", "all-gather", nbytes, r), deps, nbytes=nbytes)
+        axis = "hpz" if backward and self.cfg.parallel.zero_hpz > 1 else "dp_cp"
+        return self._comm_task([r], name, "dp", self.comm(axis, "all-gather", nbytes, r), deps, nbytes=nbytes)
 
     def _reduce(self, r: int, unit: list[int], deps, name: str) -> Task:
+        """A unit's reduce-scatter; with ZeRO-Offload its gradient slice then goes to the host (a side stream)."""
         nbytes = self._unit_bytes(r, unit, padded=True)
-        return self._comm_task([r], name, "dp", self.comm("dp_cp", "reduce-scatter", nbytes, r), deps, nbytes=nbytes)
+        rs = self._comm_task([r], name, "dp", self.comm("dp_cp", "reduce-scatter", nbytes, r), deps, nbytes=nbytes)
+        p = self.cfg.parallel
+        if p.offload != "none":
+            shard = 4.0 * -(-self.params[r].group_numel(unit) // (p.dp * p.cp))
+            self._copies.setdefault(r, []).append(self._comm_task(
+                [r], f"{name}: gradient to host", "offload", shard / self.fabric.hw.pcie_bw, [rs], stream="pcie",
+                nbytes=shard))
+        return rs
 
     def _unit_bytes(self, r: int, unit: list[int], padded: bool) -> float:
         p = self.cfg.parallel
@@ -324,8 +340,7 @@ class StepBuilder:
         for r in range(self.pp):
             rp = self.params[r]
             elements = rp.total if p.zero == 0 else sum(-(-rp.group_numel(g) // shard) for g in rp.groups)
-            prev = self._task(r, "optimizer step", "opt",
-                              [("optimizer", None, self.costs.optimizer_seconds(elements, len(rp.names)))], [ends[r]])
+            prev = self._optimizer(r, elements, len(rp.names), ends[r])
             if p.zero in (1, 2) and shard > 1:
                 for i, g in enumerate(rp.groups):
                     prev = self._blocking(r, f"all-gather bucket {i}", "dp",
@@ -338,6 +353,20 @@ class StepBuilder:
         for r in range(self.pp):
             if overhead:
                 self._task(r, "step overhead", "overhead", [("overhead", None, overhead)], [ends[r]])
+
+    def _optimizer(self, r: int, elements: float, tensors: int, prev: Task) -> Task:
+        """The optimizer step on the device, or with ZeRO-Offload on the host (Ren et al. 2021 §4: after the
+        gradient slices arrived; "disk" also streams the fp32 masters and moments in and out, Rajbhandari et al.
+        2021 §5), the updated slice then copied back before the next forward."""
+        hw, p = self.fabric.hw, self.cfg.parallel
+        if p.offload == "none":
+            return self._task(r, "optimizer step", "opt",
+                              [("optimizer", None, self.costs.optimizer_seconds(elements, tensors))], [prev])
+        host = elements * 40 / hw.host_bw + (2 * 12 * elements / hw.nvme_bw if p.offload == "disk" else 0.0)
+        step = self._task(r, "optimizer step (host)", "opt", [("optimizer (host)", None, host)],
+                          [prev, *self._copies.get(r, [])])
+        elt = 2.0 if p.zero_param_dtype == "bf16" else 4.0
+        return self._blocking(r, "weights to the device", "offload", elements * elt / hw.pcie_bw, step)
 
     def _blocking(self, r: int, name: str, axis: str, seconds: float, prev: Task) -> Task:
         return self._comm_task([r], name, axis, seconds, [prev], stream=COMPUTE)
