@@ -127,6 +127,12 @@ def test_max_min_fair_sharing():
     assert rates.tolist() == pytest.approx([nic / 2, nic / 2, 4 * BW])
 
 
+def test_progressive_filling_gives_the_rest_of_a_link_to_the_unconstrained_flow():
+    """Flow 0 crosses a link of 1 and one of 10 shared with flow 1: flow 0 gets 1, flow 1 the remaining 9."""
+    rates = Fabric.max_min_rates(np.array([0, 0, 1]), np.array([0, 1, 1]), np.array([1.0, 10.0]), 2)
+    assert rates.tolist() == pytest.approx([1.0, 9.0])
+
+
 def test_oversubscribed_spine_slows_flows_across_leaves():
     hw = cluster(nodes=4, gpus=1, leaf_nodes=2, oversubscription=2.0)
     fab = Fabric(hw)
