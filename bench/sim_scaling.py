@@ -1,6 +1,7 @@
 """How the simulator's own cost grows: wall time, simulated tasks and peak memory of one step against the model's
 layers, the micro-batches, the pipeline stages and the nodes (each point in a fresh process, so its peak RSS is
-its own; ``resource.getrusage``).
+its own, ``resource.getrusage``; the wall time of ``simulate`` after a warm-up on a tiny model, so torch's lazy
+imports are not in it).
 
     python bench/sim_scaling.py --json bench/results/sim_scaling.json
 
@@ -29,6 +30,8 @@ cfg = load_config(None, {"model.preset": "gpt3-175b", "model.n_layers": str(laye
                          "parallel.pp": str(pp), "parallel.pp_schedule": "interleaved", "parallel.pp_virtual": "2",
                          "parallel.pp_partition": "even", "train.micro_batch": "1",
                          "train.global_batch": str(m * dp), "train.recompute": "full", "train.precision": "bf16"}, hw)
+small = build_hardware("H100", 1, 8)  # warm-up: torch's lazy imports and the first meta-device build
+simulate(load_config(None, {"model.preset": "tiny"}, small), small)
 t0 = time.perf_counter()
 res = simulate(cfg, hw)
 print(json.dumps({"wall_s": time.perf_counter() - t0, "tasks": len(res.graph.tasks),
