@@ -26,7 +26,7 @@ from shardwise.plan.spec import resolved_model
 from shardwise.sim.costs import RankCosts
 from shardwise.sim.hardware import SimHardware
 from shardwise.sim.network import Fabric
-from shardwise.sim.params import state_bytes
+from shardwise.sim.params import EMBED, HEAD, state_bytes
 from shardwise.sim.step import StepBuilder
 from shardwise.sim.tasks import COMPUTE, Graph, busy_intervals, exposed_comm
 from shardwise.train.flops import training_flops_per_token
@@ -147,7 +147,7 @@ def _rank_report(cfg: Config, builder: StepBuilder, costs: RankCosts, graph: Gra
     states = state_bytes(cfg, builder.params[r])
     if cfg.parallel.zero == 3 and cfg.parallel.zero_hpz > 1:  # hpZ's secondary partitions, forward to backward
         units = builder.params[r].groups[1:]
-        states["params"] += sum(builder._unit_bytes(r, u, padded=True) for u in units) / cfg.parallel.zero_hpz
+        states["params"] += sum(builder.unit_bytes(r, u, padded=True) for u in units) / cfg.parallel.zero_hpz
     act, transient = _activation_peak(cfg, builder, costs, r)
     return RankReport(r, busy, exposed_comm(tasks), states, act, transient)
 
@@ -157,19 +157,14 @@ def _activation_peak(cfg: Config, builder: StepBuilder, costs: RankCosts, r: int
     p = cfg.parallel
 
     def chunk_bytes(stage: int) -> float:
-        layers = builder.layers
-        total = 0.0
-        for pc in builder._pieces(stage):
-            cost = costs.embed() if pc == "embed" else costs.head() if pc == "head" else costs.block(pc)
-            total += cost.act_bytes
-        del layers
-        return total
+        return sum((costs.embed() if pc == EMBED else costs.head() if pc == HEAD else costs.block(pc)).act_bytes
+                   for pc in builder.pieces(stage))
 
     transient = 0.0
     if p.zero == 3:  # the root and two block units gathered at once (the current one and the prefetched one)
         units = builder.params[r].groups
-        sizes = sorted((builder._unit_bytes(r, u, padded=True) for u in units[1:]), reverse=True)
-        transient = builder._unit_bytes(r, units[0], padded=True) + sum(sizes[:2])
+        sizes = sorted((builder.unit_bytes(r, u, padded=True) for u in units[1:]), reverse=True)
+        transient = builder.unit_bytes(r, units[0], padded=True) + sum(sizes[:2])
     if builder.pp == 1:
         return chunk_bytes(0), transient
     order = compute_order(p.pp_schedule, r, builder.pp, builder.m, builder.v)

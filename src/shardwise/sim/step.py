@@ -120,11 +120,6 @@ class StepBuilder:
     def gloo_zero(self) -> bool:
         return self.fabric.hw.backend == "gloo" and self.cfg.parallel.zero > 0
 
-    @property
-    def grad_axis(self) -> str:
-        """The gradient-reduction group: dp x cp (``dp_cp``)."""
-        return "dp_cp"
-
     # ---- building ----------------------------------------------------------------------------------------
 
     def build(self) -> Graph:
@@ -147,7 +142,7 @@ class StepBuilder:
         stream = COMPUTE if not self.fabric.hw.overlap else (stream or axis)
         return self.graph.add(Task(name, name, tuple(ranks), stream, seconds, list(deps), axis=axis, nbytes=nbytes))
 
-    def _pieces(self, stage: int) -> list:
+    def pieces(self, stage: int) -> list:
         out = [EMBED] if stage == 0 else []
         out += list(self.split[stage])
         if stage == self.pp * self.v - 1:
@@ -155,7 +150,7 @@ class StepBuilder:
         return out
 
     def _segments(self, stage: int, phase: str) -> list:
-        pieces = self._pieces(stage)
+        pieces = self.pieces(stage)
         if phase != "F":
             pieces = pieces[::-1]
         return [s for pc in pieces for s in self.layers.segments(pc, phase)]
@@ -191,7 +186,6 @@ class StepBuilder:
             self.last_compute.append(previous)
         for task, key in waits:
             task.deps.append(sent[key])
-        self.pipeline_tasks = [t for t in self.graph.tasks if t.stream == COMPUTE]
         ends = list(self.last_compute)
         if self.cfg.model.tie_embeddings:  # the two copies of the tied table add their gradients
             first, last = 0, (self.pp * self.v - 1) % self.pp
@@ -211,7 +205,7 @@ class StepBuilder:
     def _one_stage(self) -> None:
         p = self.cfg.parallel
         rp = self.params[0]
-        pieces = self._pieces(0)
+        pieces = self.pieces(0)
         shard = p.dp * p.cp
         zero3 = p.zero == 3 and shard > 1
         unit_of = {rp.pieces[i]: u for u, g in enumerate(rp.groups) for i in g} if zero3 else {}
@@ -261,7 +255,6 @@ class StepBuilder:
             if last and shard > 1 and not zero3:
                 previous = self._task(0, "wait for gradients", "wait", [("wait", None, 0.0)],
                                       [previous, *self._bucket_tasks])
-        self.pipeline_tasks = []
         self._after_backward([previous], after_flush=False)
 
     def _launch_ready(self, rp: RankParams, ready: set, launched: int, previous: Task) -> tuple[Task, int]:
@@ -285,13 +278,13 @@ class StepBuilder:
 
     def _gather(self, r: int, unit: list[int], deps, name: str, backward: bool = False) -> Task:
         """A ZeRO-3 unit's all-gather; in backward with hpZ, inside the node from the secondary partitions."""
-        nbytes = self._unit_bytes(r, unit, padded=True)
+        nbytes = self.unit_bytes(r, unit, padded=True)
         axis = "hpz" if backward and self.cfg.parallel.zero_hpz > 1 else "dp_cp"
         return self._comm_task([r], name, "dp", self.comm(axis, "all-gather", nbytes, r), deps, nbytes=nbytes)
 
     def _reduce(self, r: int, unit: list[int], deps, name: str) -> Task:
         """A unit's reduce-scatter; with ZeRO-Offload its gradient slice then goes to the host (a side stream)."""
-        nbytes = self._unit_bytes(r, unit, padded=True)
+        nbytes = self.unit_bytes(r, unit, padded=True)
         rs = self._comm_task([r], name, "dp", self.comm("dp_cp", "reduce-scatter", nbytes, r), deps, nbytes=nbytes)
         p = self.cfg.parallel
         if p.offload != "none":
@@ -301,7 +294,7 @@ class StepBuilder:
                 nbytes=shard))
         return rs
 
-    def _unit_bytes(self, r: int, unit: list[int], padded: bool) -> float:
+    def unit_bytes(self, r: int, unit: list[int], padded: bool) -> float:
         p = self.cfg.parallel
         world = p.dp * p.cp
         n = self.params[r].group_numel(unit)
@@ -344,7 +337,7 @@ class StepBuilder:
             if p.zero in (1, 2) and shard > 1:
                 for i, g in enumerate(rp.groups):
                     prev = self._blocking(r, f"all-gather bucket {i}", "dp",
-                                          self.comm("dp_cp", "all-gather", self._unit_bytes(r, g, True), r), prev)
+                                          self.comm("dp_cp", "all-gather", self.unit_bytes(r, g, True), r), prev)
             ends[r] = prev
         loss_axis = "dp_cp" if shard > 1 else None
         if loss_axis:

@@ -59,11 +59,13 @@ class Graph:
         self.n_ranks = n_ranks
         self.streams: dict[tuple[int, str], list[Task]] = defaultdict(list)
         self.tasks: list[Task] = []
+        self._by_rank: dict[int, list[Task]] | None = None
 
     def add(self, task: Task) -> Task:
         for r in task.ranks:
             self.streams[(r, task.stream)].append(task)
         self.tasks.append(task)
+        self._by_rank = None
         return task
 
     def run(self, start: float = 0.0) -> float:
@@ -99,8 +101,8 @@ class Graph:
 
     def rank_tasks(self, rank: int) -> list[Task]:
         """Every task of ``rank`` (all its streams), in issue order."""
-        if not hasattr(self, "_by_rank"):
-            self._by_rank: dict[int, list[Task]] = defaultdict(list)
+        if self._by_rank is None:
+            self._by_rank = defaultdict(list)
             for t in self.tasks:
                 for r in t.ranks:
                     self._by_rank[r].append(t)
