@@ -99,8 +99,10 @@ def test_compare(capsys, tmp_path):
     # fp32 gradients plus DataParallel's one fp32 "had a gradient" flag per tensor, one all-reduce per step
     assert doc["predicted"]["comm_bytes"] == 4 * (n + tensors)
     assert doc["measured"]["tokens_per_s"] == 1002.5 and doc["measured"]["mem_peak_rss_bytes"] == 5e8
+    assert doc["step_time"]["formula"]["step_time_s"] > 0 and doc["step_time"]["simulated"]["step_time_s"] > 0
     rc, out, _ = run(capsys, ["--compare", str(tmp_path)], {})
     assert "comm_bytes" in out and "mem_optimizer_bytes" in out and "not yet activations" in out
+    assert "step_time_s (simulated, H100)" in out
 
 
 def test_config_file_with_cluster_and_plan_tables(capsys, tmp_path):

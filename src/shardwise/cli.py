@@ -38,7 +38,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return rest, overrides
 
 
-PASS_THROUGH = ("plan", "bench")
+PASS_THROUGH = ("plan", "bench", "simulate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="predict memory, FLOPs, communication and time; search layouts", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
 
+    p = sub.add_parser("simulate", help="simulate a training step on a modelled cluster, from the engine's own "
+                                        "schedules", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+
     p = sub.add_parser("bench", help="benchmarks, e.g. `shardwise bench comm`", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = build_parser().parse_args(rest)
     args.debug = debug
-    if overrides and args.command not in ("train", "config", "plan"):
+    if overrides and args.command not in ("train", "config", "plan", "simulate"):
         print(f"error: config overrides are not accepted by `shardwise {args.command}`", file=sys.stderr)
         return 2
     try:
@@ -205,6 +209,13 @@ def cmd_plan(args, overrides: dict[str, str]) -> int:
     return plan_main(args.args, overrides)
 
 
+def cmd_simulate(args, overrides: dict[str, str]) -> int:
+    """Delegates to shardwise.sim.cli.main(argv, overrides) -> exit code."""
+    from shardwise.sim.cli import main as simulate_main
+
+    return simulate_main(args.args, overrides)
+
+
 def cmd_bench(args, _overrides) -> int:
     """``shardwise bench comm ...`` delegates to shardwise.dist.comm.bench.main(argv) -> exit code."""
     benches = {"comm": "shardwise.dist.comm.bench"}
@@ -217,7 +228,7 @@ def cmd_bench(args, _overrides) -> int:
 
 
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "export": cmd_export, "plot": cmd_plot, "config": cmd_config,
-            "plan": cmd_plan, "bench": cmd_bench}
+            "plan": cmd_plan, "simulate": cmd_simulate, "bench": cmd_bench}
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

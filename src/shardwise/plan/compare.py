@@ -48,14 +48,10 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     adds these bytes to both ``comm_bytes`` and ``comm_sent_bytes`` (point-to-point: payload = sent)."""
     m = model_spec(cfg)
     s = seq_len_of(cfg, m)
-    p = cfg.parallel
+    p, t = cfg.parallel, cfg.train
     world = (p.nproc or 1) * p.nnodes
-    dp = p.dp or max(1, world // (p.tp * p.pp * p.cp))
-    t = cfg.train
-    lay = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, offload=p.offload if p.zero else "none",
-                 sequence_parallel=p.sequence_parallel,
-                 pp_virtual=p.pp_virtual, micro_batch=t.micro_batch or 1,
-                 grad_accum=t.grad_accum or 1, recompute=t.recompute)
+    lay = run_layout(cfg)
+    dp = lay.dp
     states = STATE_CONVENTIONS["shardwise"]
     act_bytes = 4 if t.precision == "fp32" else 2
     mode = activation_mode(t.precision, states)
@@ -96,6 +92,39 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     out["mem_grads_bytes"] += flags * 4  # the flags live in the fp32 gradient buckets too
     out["mem_total_bytes"] = sum(out[k] for k in MODEL_STATE_METRICS)
     return out
+
+
+def run_layout(cfg: Config) -> Layout:
+    """The planner's layout of a run's resolved config."""
+    p, t = cfg.parallel, cfg.train
+    world = (p.nproc or 1) * p.nnodes
+    dp = p.dp or max(1, world // (p.tp * p.pp * p.cp))
+    return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, offload=p.offload if p.zero else "none",
+                  sequence_parallel=p.sequence_parallel, pp_virtual=p.pp_virtual, micro_batch=t.micro_batch or 1,
+                  grad_accum=t.grad_accum or 1, recompute=t.recompute)
+
+
+def step_times(cfg: Config, gpu: str, hardware: str | None, efficiency: float) -> dict[str, dict[str, float]]:
+    """The run's step on ``gpu`` (``hardware``: a catalogue file with a [sim] table): the formula's
+    (:func:`shardwise.plan.perf.step_time`, at ``efficiency``) and the simulator's (:mod:`shardwise.sim`), on
+    the run's nodes and ranks per node."""
+    from shardwise.plan.hardware import find_gpu, load_catalogue
+    from shardwise.plan.perf import step_time
+    from shardwise.sim.hardware import build_hardware
+    from shardwise.sim.planning import simulated_for_run
+
+    p = cfg.parallel
+    m = model_spec(cfg)
+    lay = run_layout(cfg)
+    act_bytes = 4 if cfg.train.precision == "fp32" else 2
+    cluster = Cluster(find_gpu(gpu, load_catalogue(hardware)), gpus_per_node=p.nproc or 1, nodes=p.nnodes,
+                      efficiency=efficiency)
+    units = exact_zero_units(m, lay, p.bucket_mb, p.zero_unit, zero_hpz=p.zero_hpz)
+    formula = step_time(m, lay, seq_len_of(cfg, m), cluster, STATE_CONVENTIONS["shardwise"], cfg.train.precision,
+                        act_bytes, units)
+    hw = build_hardware(gpu, p.nnodes, p.nproc or 1, hardware)
+    return {"formula": {"step_time_s": formula.step_time_s, "tokens_per_s": formula.tokens_per_s, "mfu": formula.mfu},
+            "simulated": simulated_for_run(cfg, hw)}
 
 
 def _rank0_blocks(cfg: Config) -> set[int]:
@@ -163,7 +192,8 @@ def measured_for_run(run_dir: Path) -> dict[str, float]:
     return out
 
 
-def compare_run(run_dir: Path, as_json: bool = False) -> int:
+def compare_run(run_dir: Path, as_json: bool = False, gpu: str = "H100", hardware: str | None = None,
+                efficiency: float = 0.5) -> int:
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.toml"
     if not cfg_path.is_file():
@@ -191,11 +221,15 @@ def compare_run(run_dir: Path, as_json: bool = False) -> int:
         rows.insert(2, ("ep_sent_bytes", pred["ep_sent_bytes"], meas.get("ep_sent_bytes")))
     rows += [(k, pred[k], meas.get(k)) for k in (*MEMORY_METRICS, "mem_total_bytes")]
     rows += [(k, pred.get(k), meas.get(k)) for k in FLUSH_METRICS if k in pred or k in meas]
-    rows += [(k, None, meas.get(k)) for k in ("tokens_per_s", "step_time_s", "mfu")]
+    times = step_times(cfg, gpu, hardware, efficiency)
+    for k in ("step_time_s", "tokens_per_s", "mfu"):
+        rows += [(f"{k} (formula, {gpu})", times["formula"][k], meas.get(k)),
+                 (f"{k} (simulated, {gpu})", times["simulated"][k], meas.get(k))]
     rows += [("parameters", pred["parameters"], None), ("flops_per_token", pred["flops_per_token"], None)]
     rows += [(k, v, None) for k, v in derived.items()]
     if as_json:
         print(json.dumps({"run_dir": str(run_dir), "predicted": pred, "measured": meas, "derived": derived,
+                          "step_time": times,
                           "note": "activations and buffers are not measured by the trainer yet"},
                          indent=2))
         return 0

@@ -106,6 +106,12 @@ def _blocks_of(chunk: nn.Module) -> list[nn.Module]:
     return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
 
 
+def block_units(blocks: list, unit_blocks: int) -> list[list]:
+    """ZeRO-3's units of a model's blocks: runs of ``unit_blocks`` consecutive blocks, in order (the root unit
+    holds every parameter outside them). Also what the simulator gathers (:mod:`shardwise.sim`)."""
+    return [blocks[i:i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
+
+
 class ZeroDataParallel(GradReduction, Stage3Hooks, PipelineFlush, nn.Module):
     """Shard ``module``'s training state over ``group`` with ZeRO stage ``stage`` (1, 2 or 3).
 
@@ -285,8 +291,8 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, PipelineFlush, nn.Module):
             buckets = _assign_buckets([p for _, p in named], cap, kind=self._is_expert)
             return [[ids[id(p)] for p in b] for b in buckets]
         if unit_modules is None:  # a unit never spans two chunks: they run at different times
-            unit_modules = [blocks[i:i + unit_blocks] for blocks in map(_blocks_of, self.chunks)
-                            for i in range(0, len(blocks), unit_blocks)]
+            unit_modules = [unit for blocks in map(_blocks_of, self.chunks)
+                            for unit in block_units(blocks, unit_blocks)]
         if self.expert_group is not None:  # each group's expert modules follow it as a unit of their own
             unit_modules = [u for mods in unit_modules for u in [mods, *self._expert_modules(mods)]]
         self._stage3_modules: list[tuple[nn.Module, nn.Module]] = []
