@@ -174,8 +174,9 @@ def test_16384_gpus_complete():
 
 def test_the_trainers_refusals_are_the_simulators():
     hw = build_hardware("H100", 1, 4)
-    with pytest.raises(ConfigError, match="parallel.zero"):
-        load_config(None, {"model.preset": "tiny", "parallel.pp": "2", "parallel.zero": "3"}, hw)
+    with pytest.raises(ConfigError, match="parallel.zero_hpz=2 with parallel.pp=2"):
+        load_config(None, {"model.preset": "tiny", "parallel.pp": "2", "parallel.zero": "3", "parallel.zero_hpz": "2"},
+                    hw)
     with pytest.raises(ConfigError, match="sim.oversubscription"):
         build_hardware("H100", 2, 8, oversubscription=0.5)
 
