@@ -43,9 +43,6 @@ def check(cfg: Config) -> None:
                           f"{'parallel.sequence_parallel=true' if p.sequence_parallel else f'parallel.cp={p.cp}'}: a "
                           "capacity ranks each expert's slots over the whole sequence, which is spread over ranks; "
                           "use model.moe_capacity_factor=0 (dropless)")
-    if m.n_experts and m.flavor == "bert":
-        raise ConfigError(f"model.n_experts={m.n_experts} with model.flavor='bert': the experts are decoder "
-                          "MLPs (GPT-2 or Llama); use model.n_experts=0 or another flavour")
     if m.n_experts and cfg.ps.servers:
         raise ConfigError(f"model.n_experts={m.n_experts} with ps.servers={cfg.ps.servers}: the parameter "
                           "server's workers do not add the router losses (not composed yet); use ps.servers=0")

@@ -76,7 +76,7 @@ class ExpertParallel(Experts):
         nn.Module.__init__(self)
         self.group, self.stats, self.algorithm, self.timeout_s = group, stats, algorithm, timeout_s
         self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.n_experts, self.flavor = experts.n_local, experts.flavor
+        self.n_experts, self.flavor, self.gelu = experts.n_local, experts.flavor, experts.gelu
         if self.n_experts % self.ep:
             raise ValueError(f"parallel.ep={self.ep} does not divide model.n_experts={self.n_experts}")
         self.n_local = self.n_experts // self.ep
