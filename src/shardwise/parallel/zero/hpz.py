@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardwise.dist.mesh import default_group_timeout
 from shardwise.parallel.zero.flat import FlatUnit
 
 TRAFFIC_KEYS = ("forward_intra_node", "forward_inter_node", "backward_intra_node", "backward_inter_node")
@@ -43,7 +44,7 @@ def node_groups(group: dist.ProcessGroup | None, node_size: int) -> dist.Process
     mine = None
     for first in range(0, world, node_size):
         ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(first, first + node_size)]
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=default_group_timeout())  # bounded as parallel.timeout_s
         if dist.get_rank(group) // node_size == first // node_size:
             mine = g
     return mine

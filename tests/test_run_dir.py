@@ -1,0 +1,109 @@
+"""Nothing lost, nothing mixed: what the launcher refuses before any worker starts, and what it leaves as it was.
+
+One tiny run with checkpoints at steps 1 and 2 (trained once in the reusable pool) is copied for each case;
+every refusal is one line (ConfigError) and leaves every file of the run byte for byte as it was.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shardwise.config import ConfigError
+from shardwise.run_dir import LatestLink
+from shardwise.train.checkpoint import list_checkpoints
+from tests.test_train import make_config, run
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_dir) -> Path:
+    tmp = tmp_path_factory.mktemp("run-dir")
+    run(tmp, cache_dir, "run", 1, **{"train.steps": 2, "ckpt.every": 1, "ckpt.keep": 3})
+    return tmp / "run"
+
+
+def _copy(trained: Path, tmp_path: Path) -> Path:
+    """A copy of the trained run whose config.toml names the copy as its run.dir."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    config = run_dir / "config.toml"
+    config.write_text(config.read_text().replace(str(trained), str(run_dir)))
+    return run_dir
+
+
+def _snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def _refused(run_dir: Path, cache_dir: Path, fragment: str, **overrides) -> str:
+    before = _snapshot(run_dir) if run_dir.exists() else None
+    with pytest.raises(ConfigError) as e:
+        make_config(run_dir, cache_dir, 1, **{"train.steps": 2, **overrides})
+    message = str(e.value)
+    assert fragment in message and "\n" not in message, message
+    assert (_snapshot(run_dir) if run_dir.exists() else None) == before, "a refused launch changed the run"
+    return message
+
+
+def test_a_directory_holding_a_run_is_refused_without_resume(trained, tmp_path, cache_dir):
+    run_dir = _copy(trained, tmp_path)
+    message = _refused(run_dir, cache_dir, "already holds a run (metrics.jsonl)")
+    assert f"shardwise train {run_dir / 'config.toml'} --resume" in message
+
+
+def test_a_resume_that_cannot_work_is_refused_and_changes_nothing(trained, tmp_path, cache_dir):
+    """Another model (here Llama-shaped): the tensor and both shapes are named, before config.toml is touched."""
+    run_dir = _copy(trained, tmp_path)
+    _refused(run_dir, cache_dir, "holds 'blocks.0.attn.k_proj.weight' of shape [64, 64], where model.preset="
+             "'tiny-llama' (llama) has [32, 64]", **{"model.preset": "tiny-llama", "ckpt.resume": "true"})
+    _refused(run_dir, cache_dir, "was not trained with fp16",
+             **{"train.precision": "fp16", "ckpt.resume": "true"})
+
+
+def test_resume_with_nothing_to_resume_fails(trained, tmp_path, cache_dir):
+    """A directory that does not exist (and is not created), one without checkpoints, one whose every
+    checkpoint is corrupt (kept as they are: the only evidence left)."""
+    _refused(tmp_path / "absent", cache_dir, "does not exist: nothing to resume", **{"ckpt.resume": "true"})
+    assert not (tmp_path / "absent").exists()
+    run_dir = _copy(trained, tmp_path)
+    for path in list_checkpoints(run_dir / "checkpoints"):
+        (path / "state.json").write_text("{}")
+    _refused(run_dir, cache_dir, "none of the 2 checkpoint(s)", **{"ckpt.resume": "true"})
+    shutil.rmtree(run_dir / "checkpoints")
+    _refused(run_dir, cache_dir, "holds no checkpoint: nothing to resume", **{"ckpt.resume": "true"})
+
+
+def test_a_corrupt_checkpoint_is_set_aside_not_overwritten(trained, tmp_path, cache_dir, capsys):
+    """The newest checkpoint is corrupt: a resume starts from the one before, and the corrupt one is renamed
+    ``step_00000002.corrupt`` with its bytes, where no later save of step 2 or pruning reaches it."""
+    run_dir = _copy(trained, tmp_path)
+    newest = run_dir / "checkpoints" / "step_00000002"
+    (newest / "state.json").write_text("{}")
+    evidence = _snapshot(newest)
+    make_config(run_dir, cache_dir, 1, **{"train.steps": 2, "ckpt.resume": "true"})
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_00000001"]
+    assert _snapshot(run_dir / "checkpoints" / "step_00000002.corrupt") == evidence
+    assert "set aside a corrupt checkpoint as step_00000002.corrupt: checkpoint" in capsys.readouterr().err
+
+
+def test_runs_latest_moves_only_once_a_checkpoint_exists(tmp_path):
+    """A run that fails before its first checkpoint leaves runs/latest at the previous run."""
+    runs = tmp_path / "runs"
+    old, new = runs / "old", runs / "new"
+    (old / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (new / "checkpoints").mkdir(parents=True)
+    (runs / "latest").symlink_to("old")
+    with pytest.raises(RuntimeError), LatestLink(new, poll_s=0.01):
+        raise RuntimeError("a worker failed before the first checkpoint")
+    assert (runs / "latest").resolve() == old.resolve()
+    with LatestLink(new, poll_s=0.01) as link:
+        (new / "checkpoints" / "step_00000001").mkdir()
+    assert link.pointed and (runs / "latest").resolve() == new.resolve()
+
+
+def test_a_run_dir_that_is_a_file_is_named(tmp_path, cache_dir):
+    (tmp_path / "file").write_text("x")
+    _refused(tmp_path / "file", cache_dir, f"run.dir='{tmp_path / 'file'}' is a file, not a directory")
+    _refused(tmp_path / "file" / "sub", cache_dir, f"is inside {tmp_path / 'file'}, which is a file")
