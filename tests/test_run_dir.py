@@ -107,3 +107,33 @@ def test_a_run_dir_that_is_a_file_is_named(tmp_path, cache_dir):
     (tmp_path / "file").write_text("x")
     _refused(tmp_path / "file", cache_dir, f"run.dir='{tmp_path / 'file'}' is a file, not a directory")
     _refused(tmp_path / "file" / "sub", cache_dir, f"is inside {tmp_path / 'file'}, which is a file")
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent", "unlisted"])
+def test_a_checkpoint_names_only_its_own_listed_files(trained, tmp_path, where):
+    """state.json edited to place a tensor in a file outside the checkpoint (an absolute path, ``../``) or in
+    one its manifest does not list -- with the manifest's checksum of state.json updated, so the checkpoint
+    verifies -- is refused naming the file, before the file is opened."""
+    import hashlib
+    import json
+
+    from shardwise.train.checkpoint import CheckpointError, verify_checkpoint
+    from shardwise.train.state import open_checkpoint
+
+    ckpt = _copy(trained, tmp_path) / "checkpoints" / "step_00000002"
+    shard = next(ckpt.glob("shard-*.safetensors"))
+    outside = {"absolute": str(tmp_path / "outside.safetensors"), "parent": "../outside.safetensors",
+               "unlisted": "extra.safetensors"}[where]
+    for target in (tmp_path / "outside.safetensors", ckpt.parent / "outside.safetensors", ckpt / "extra.safetensors"):
+        shutil.copy(shard, target)
+    state = json.loads((ckpt / "state.json").read_text())
+    key = next(iter(state["shards"]))
+    state["shards"][key]["pieces"][0][0] = outside
+    (ckpt / "state.json").write_text(json.dumps(state))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    data = (ckpt / "state.json").read_bytes()
+    manifest["files"]["state.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    verify_checkpoint(ckpt)  # the crafted checkpoint is consistent with its manifest
+    with pytest.raises(CheckpointError, match=f"in file {outside!r}, which is not a file of the checkpoint"):
+        open_checkpoint(ckpt)

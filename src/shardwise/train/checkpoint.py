@@ -370,6 +370,11 @@ def verify_checkpoint(path: Path) -> None:
             )
 
 
+def listed_files(path: Path) -> set[str]:
+    """The file names a checkpoint's manifest lists (plain names inside the checkpoint directory, checked)."""
+    return set(_read_manifest(Path(path))["files"])
+
+
 def read_state(path: Path) -> dict[str, Any]:
     """``state.json`` of a checkpoint (already verified), as a dict."""
     path = Path(path)

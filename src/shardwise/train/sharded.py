@@ -31,6 +31,7 @@ from shardwise.train.checkpoint import (
     abandon_checkpoint,
     begin_checkpoint,
     finish_checkpoint,
+    listed_files,
     write_tensor_file,
 )
 from shardwise.train.optim_state import optimizer_state_from_tensors
@@ -102,6 +103,12 @@ class ShardedReader:
         self.path, self.meta = Path(path), meta
         self.index: dict[str, dict[str, Any]] = meta["shards"]
         self._open: dict[str, Any] = {}
+        listed = listed_files(self.path)  # plain names inside the directory, each with a size and SHA-256
+        for key, info in self.index.items():  # a file the manifest does not cover is never opened
+            for piece in info["pieces"]:
+                if piece[0] not in listed:
+                    raise CheckpointError(f"checkpoint {self.path}: state.json places {key!r} in file {piece[0]!r}, "
+                                          "which is not a file of the checkpoint listed in its manifest")
 
     def _file(self, name: str):
         if name not in self._open:
