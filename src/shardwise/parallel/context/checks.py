@@ -18,14 +18,22 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"parallel.cp={p.cp} with model.flavor='bert': the context-parallel attention cores are "
                           "causal, and an encoder's padding masks do not follow the sequence split; use parallel.cp=1")
     chunks = 2 * p.cp if p.cp_balance == "headtail" else p.cp
-    if cfg.data.seq_len % (chunks * (p.tp if p.sequence_parallel else 1)):
+    unit = chunks * (p.tp if p.sequence_parallel else 1)
+    s = cfg.data.seq_len
+    if s % unit:
         what = f"{chunks} chunks (parallel.cp={p.cp}, parallel.cp_balance={p.cp_balance!r})"
         if p.sequence_parallel:
             what += f" of a multiple of parallel.tp={p.tp} (sequence parallel)"
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} does not divide into {what}")
+        near = [v for v in (s // unit * unit, (s // unit + 1) * unit) if v > 0]
+        raise ConfigError(f"data.seq_len={s} does not divide into {what}; use a multiple of {unit}, e.g. "
+                          f"{' or '.join(map(str, near))}")
     if m.dropout > 0:
         raise ConfigError(f"model.dropout={m.dropout} with parallel.cp={p.cp}: context-parallel attention has no "
                           "attention dropout; use model.dropout=0")
+    if p.cp_algorithm == "ring" and cfg.run.device == "cuda" and p.backend == "gloo":
+        raise ConfigError("parallel.cp_algorithm='ring' with run.device='cuda' and parallel.backend='gloo': the "
+                          "ring passes K/V blocks point to point, and gloo's point-to-point takes CPU tensors only; "
+                          "use parallel.backend='nccl' (or 'auto') or run.device='cpu'")
     if p.zero_hpz > 1:
         raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} with parallel.cp={p.cp}: hpZ's node groups are cut from "
                           "the dp ranks, but ZeRO shards over dp x cp; use parallel.zero_hpz=1")

@@ -35,6 +35,11 @@ def check(cfg: Config) -> None:
                           f"use one of {divisors(m.n_experts)}")
     if p.dp % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}; use one of {divisors(p.dp)}")
+    if p.ep > 1 and cfg.comm.algorithm != "native" and cfg.run.device == "cuda" and p.backend == "gloo":
+        raise ConfigError(f"parallel.ep={p.ep} with run.device='cuda' and parallel.backend='gloo': our pairwise "
+                          f"all-to-all (comm.algorithm={cfg.comm.algorithm!r}) sends tokens point to point, and "
+                          "gloo's point-to-point takes CPU tensors only; use parallel.backend='nccl' (or 'auto') "
+                          "or run.device='cpu'")
     if m.n_experts and p.sequence_parallel:
         raise ConfigError(f"model.n_experts={m.n_experts} with parallel.sequence_parallel=true: MoE blocks stay whole "
                           "on every tensor-parallel rank and would see only their sequence shard (not composed "

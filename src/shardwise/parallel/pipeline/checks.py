@@ -97,10 +97,13 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"parallel.zero={p.zero} with parallel.pp={p.pp}: a pipeline keeps every micro-batch's "
                           "gradients until the flush, so only ZeRO-1 (sharded optimizer states) composes with it "
                           "here; use parallel.zero=1 or 0")
-    if p.zero and (p.pp_virtual > 1 or p.pp_schedule == "zb-h1"):
+    if p.zero and p.pp_virtual > 1:
         raise ConfigError(f"parallel.zero=1 with parallel.pp_schedule={p.pp_schedule!r} and parallel.pp_virtual="
-                          f"{p.pp_virtual}: ZeRO-1 wraps one stage per rank, and zb-h1's deferred weight gradients "
-                          "bypass its hooks; use '1f1b' or 'gpipe' with parallel.pp_virtual=1")
+                          f"{p.pp_virtual}: ZeRO-1 wraps one stage per rank, not {p.pp_virtual} chunks; use "
+                          "'1f1b' or 'gpipe' with parallel.pp_virtual=1, or parallel.zero=0")
+    if p.zero and p.pp_schedule == "zb-h1":
+        raise ConfigError("parallel.zero=1 with parallel.pp_schedule='zb-h1': zb-h1's deferred weight gradients "
+                          "bypass ZeRO-1's hooks; use '1f1b' or 'gpipe', or parallel.zero=0")
     if p.zero and (p.offload != "none" or p.zero_quant_grads):
         raise ConfigError("parallel.zero=1 inside a pipeline runs without offload or int8 gradients for now; "
                           "use parallel.offload='none' and parallel.zero_quant_grads=false")
