@@ -26,8 +26,9 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core)
         pair = block_pair(r, src, t, core.layout.balance)
         if pair is None:
             continue
-        out_b, lse_b = block_forward(q[:, :, pair.q], every[src, 0][:, :, pair.kv], every[src, 1][:, :, pair.kv],
-                                     scale, pair.causal)
-        acc.add(pair.q, out_b, lse_b)
+        with core.timed(q):
+            out_b, lse_b = block_forward(q[:, :, pair.q], every[src, 0][:, :, pair.kv],
+                                         every[src, 1][:, :, pair.kv], scale, pair.causal)
+            acc.add(pair.q, out_b, lse_b)
         core.count_work(pair, t)
     return acc.result()[0].to(q.dtype)

@@ -59,8 +59,10 @@ class RingAttentionFunction(torch.autograd.Function):
             transfer = _Transfer(core, kv, KV_TAG) if step < n - 1 else None
             pair = block_pair(r, src, t, core.layout.balance)
             if pair is not None:
-                out_b, lse_b = attend(q[:, :, pair.q], kv[0][:, :, pair.kv], kv[1][:, :, pair.kv], scale, pair.causal)
-                acc.add(pair.q, out_b, lse_b)
+                with core.timed(q):
+                    out_b, lse_b = attend(q[:, :, pair.q], kv[0][:, :, pair.kv], kv[1][:, :, pair.kv], scale,
+                                          pair.causal)
+                    acc.add(pair.q, out_b, lse_b)
                 core.count_work(pair, t)
             if transfer is not None:
                 kv = transfer.wait()

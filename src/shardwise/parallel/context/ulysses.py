@@ -86,7 +86,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core) -
     kh, vh = kvh.chunk(2)
     positions = torch.cat([core.layout.positions(t, rank=j) for j in range(n)]).to(q.device)
     order = positions.argsort()  # gathered order -> true order
-    y = F.scaled_dot_product_attention(qh[:, :, order], kh[:, :, order], vh[:, :, order], is_causal=True,
-                                       enable_gqa=kh.shape[1] != qh.shape[1])
+    with core.timed(qh):
+        y = F.scaled_dot_product_attention(qh[:, :, order], kh[:, :, order], vh[:, :, order], is_causal=True,
+                                           enable_gqa=kh.shape[1] != qh.shape[1])
     core.count_causal(n * t, fraction=1 / n)
     return _Reshard.apply(y[:, :, order.argsort()], core, False)
