@@ -123,8 +123,16 @@ def write_tensor_file(directory: Path, stem: str, flat: Mapping[str, torch.Tenso
     """Write ``flat`` as ``<stem>.safetensors`` into ``directory`` (fsynced); returns its manifest entry."""
     _check_save_args(0, {stem: flat}, 1)
     name = f"{stem}.safetensors"
-    save_file(_prepare_tensors(flat), str(Path(directory) / name), metadata={"format": "pt"})
-    return {name: _fsync_and_describe(Path(directory) / name)}
+    path = Path(directory) / name
+    try:
+        save_file(_prepare_tensors(flat), str(path), metadata={"format": "pt"})
+        return {name: _fsync_and_describe(path)}
+    except (OSError, SafetensorError) as e:  # a full disk: safetensors' message does not name the file
+        raise CheckpointError(f"cannot write {path}: {_reason(e)}") from e
+
+
+def _reason(e: BaseException) -> str:
+    return (getattr(e, "strerror", None) or str(e)).strip().splitlines()[0]
 
 
 def finish_checkpoint(root: Path, step: int, tmp: Path, files: Mapping[str, dict[str, Any]],
@@ -264,11 +272,14 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _write_text(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # a full disk: the write's error names no file
+        raise CheckpointError(f"cannot write {path}: {_reason(e)}") from e
 
 
 def _fsync_path(path: Path) -> None:

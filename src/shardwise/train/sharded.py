@@ -80,6 +80,7 @@ def save_sharded(root: Path, step: int, pieces: list[Piece], meta: dict[str, Any
         if rank == 0:
             abandon_checkpoint(tmp)
         raise CheckpointError(f"checkpoint step {step} was not written: {errors[0]}")
+    outcome: list = [None]
     if rank == 0:
         all_files: dict[str, Any] = {}
         shards: dict[str, dict[str, Any]] = {}
@@ -90,10 +91,12 @@ def save_sharded(root: Path, step: int, pieces: list[Piece], meta: dict[str, Any
                 info["pieces"].append([file, entry, start, start + numel])
         try:
             finish_checkpoint(root, step, tmp, all_files, {**meta, "shards": shards}, keep)
-        except BaseException:
+        except Exception as e:  # noqa: BLE001 - every rank fails with it (none waits for a finish that failed)
             abandon_checkpoint(tmp)
-            raise
-    dist.barrier()
+            outcome = [f"rank 0: {type(e).__name__}: {e}"]
+    dist.broadcast_object_list(outcome, src=0)  # the checkpoint is complete (or not) on every rank from here
+    if outcome[0] is not None:
+        raise CheckpointError(f"checkpoint step {step} was not written: {outcome[0]}")
 
 
 class ShardedReader:
