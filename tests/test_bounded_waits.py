@@ -54,7 +54,7 @@ def _hang_in_each_group(port: int, cases, timeout_s: float) -> list:
                 dist.all_reduce(torch.ones(4), group=mesh.group(axis))
                 line = "no error"
             except RuntimeError as e:
-                line = describe(e, me, world, wait_s=1.0, store=case)
+                line = describe(e, me, world, wait_s=0.5, store=case)
             if case.add("failed", 1) == len(partners):
                 case.set("released", "1")
         else:
