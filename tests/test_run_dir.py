@@ -137,3 +137,17 @@ def test_a_checkpoint_names_only_its_own_listed_files(trained, tmp_path, where):
     verify_checkpoint(ckpt)  # the crafted checkpoint is consistent with its manifest
     with pytest.raises(CheckpointError, match=f"in file {outside!r}, which is not a file of the checkpoint"):
         open_checkpoint(ckpt)
+
+
+def test_generate_with_a_config_that_does_not_fit_its_checkpoint_is_one_line(trained, tmp_path, capsys):
+    """config.toml edited to another width: ``shardwise generate`` names the tensor and both shapes (exit 2)
+    instead of load_state_dict's many lines."""
+    from shardwise.cli import main
+
+    run_dir = _copy(trained, tmp_path)
+    config = run_dir / "config.toml"
+    config.write_text(config.read_text().replace("d_model = 64", "d_model = 32"))
+    assert main(["generate", str(run_dir), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds 'tok_emb.weight' of shape [257, 64], where model.preset='tiny' (gpt2) has " \
+                               "[257, 32]" in err[0], err

@@ -115,7 +115,7 @@ def test_bubble_metrics_and_timeline(tmp_path, cache_dir):
     ({"parallel.pp": 2, "parallel.microbatches": 3}, "not divisible"),
     ({"parallel.pp": 2, "parallel.pp_schedule": "naive", "parallel.microbatches": 4}, "pp_schedule='naive'"),
     ({"parallel.pp": 2, "parallel.zero": 2}, "so only ZeRO-1"),
-    ({"parallel.pp": 2, "parallel.zero": 1, "parallel.pp_schedule": "zb-h1"}, "bypass its hooks"),
+    ({"parallel.pp": 2, "parallel.zero": 1, "parallel.pp_schedule": "zb-h1"}, "bypass ZeRO-1's hooks"),
     ({"parallel.pp": 2, "parallel.microbatches": 4, "train.grad_accum": 2}, "set only one of them"),
     ({"parallel.pp": 2, "parallel.pp_partition": "middle"}, "parallel.pp_partition='middle'"),
     ({"parallel.pp": 2, "parallel.pp_virtual": 2}, "needs pp_schedule='interleaved'"),
