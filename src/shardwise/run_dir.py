@@ -85,7 +85,10 @@ def check_resume(run_dir: Path, cfg: Config, log=print) -> Path:
             raise ConfigError(f"ckpt.resume=true but {problem}; resume with the run's own settings "
                               f"({run_dir / CONFIG_FILE}) or give a new run.dir")
         for bad, why in corrupt:
-            log(f"set aside a corrupt checkpoint as {set_aside(bad).name}: {why}")
+            try:
+                log(f"set aside a corrupt checkpoint as {set_aside(bad).name}: {why}")
+            except OSError:
+                pass  # another node's launcher of the same run set it aside first
         return path
     raise ConfigError(f"ckpt.resume=true but none of the {len(found)} checkpoint(s) in {root} verifies (newest: "
                       f"{corrupt[0][1]}); they are left as they are")
