@@ -17,8 +17,19 @@ difference between the two runs' losses (a check that both trained the same mode
 
     python bench/bench_tp.py --nproc 2 --steps 20          # TP
     python bench/bench_tp.py --nproc 2 --steps 20 --sp     # TP + sequence parallelism
+    python bench/bench_tp.py --nproc 2 --steps 20 --dropout 0.1 [--sp]
 
-Results go to bench/results/tp.json (tp_sp.json with --sp). gloo on CPU.
+Results go to bench/results/tp.json (tp_sp.json with --sp; ``_dropout`` before ``.json`` with --dropout). gloo
+on CPU.
+
+With ``--dropout P`` both sides drop embeddings, residual branches and attention probabilities with
+probability P. Ours draws every mask from the counter-based generator keyed by each element's global index
+(``shardwise.model.dropout``: the masks one process draws, whatever the layout; attention through the eager
+core that applies a given mask). The peer is torch's own dropout (``F.dropout``, and
+``scaled_dot_product_attention(dropout_p=P)``, whose CPU kernel then takes its math path) on DTensors: its
+RNG tracker (``OffsetBasedRNGTracker``) exists for CUDA-like devices only, so on this CPU each rank draws from
+its own generator (the report says so). The two sides draw different masks, so their losses differ by more
+than rounding.
 """
 
 from __future__ import annotations
@@ -52,7 +63,7 @@ def build_model(args):
     overrides = {"model.preset": "tiny-llama", "model.d_model": str(args.d_model), "model.n_layers": str(args.n_layers),
                  "model.n_heads": str(args.n_heads), "model.n_kv_heads": str(args.n_kv_heads),
                  "model.vocab_size": str(args.vocab), "model.max_seq_len": str(args.seq_len),
-                 "data.seq_len": str(args.seq_len)}
+                 "data.seq_len": str(args.seq_len), "model.dropout": str(args.dropout)}
     cfg = resolve(Config.load(overrides=overrides), tokenizer_vocab=args.vocab).model
     model = Transformer(cfg)
     model.reset_parameters(0)
@@ -95,10 +106,17 @@ def torch_tp(model, sp: bool):
     return model
 
 
-def ours_tp(model, sp: bool):
+def ours_tp(model, sp: bool, args=None):
     from shardwise.parallel.tensor.plan import apply_tensor_parallel
 
-    return apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
+    apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
+    if args is not None and args.dropout:  # the tokens and heads this rank holds, as the engine's parallelize says
+        from shardwise.parallel.dropout import attention_heads, place_slices, stream_tokens
+
+        tp, rank = dist.get_world_size(), dist.get_rank()
+        place_slices(model, stream_tokens(args.seq_len, tp=tp, tp_rank=rank, sequence_parallel=True) if sp else None,
+             attention_heads(args.n_heads, tp, rank))
+    return model
 
 
 def _batch(args, step: int):
@@ -133,7 +151,7 @@ class _SavedBytes:
         return sum(self.storages.values())
 
 
-def _loss(kind: str, model, x, y):
+def _loss(kind: str, model, x, y, step: int, dropout: float):
     if kind == "torch":
         from torch.distributed.tensor.parallel import loss_parallel
 
@@ -141,7 +159,12 @@ def _loss(kind: str, model, x, y):
             loss = model(x, y)
             loss.backward()
         return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-    loss = model(x, y)
+    if dropout:
+        from shardwise.model.dropout import DropoutKey
+
+        loss = model(x, y, dropout_key=DropoutKey(seed=0, step=step))
+    else:
+        loss = model(x, y)
     loss.backward()
     return loss
 
@@ -153,9 +176,9 @@ def _step(kind, model, opt, args, step: int, saved: _SavedBytes | None = None) -
     opt.zero_grad(set_to_none=True)
     if saved is not None:
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            loss = _loss(kind, model, x, y)
+            loss = _loss(kind, model, x, y, step, args.dropout)
     else:
-        loss = _loss(kind, model, x, y)
+        loss = _loss(kind, model, x, y, step, args.dropout)
     opt.step()
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -174,7 +197,7 @@ def _worker(rank: int, args, port: int, mode: str, queue) -> None:
     nets, opts = {}, {}
     for kind in kinds:
         model = copy.deepcopy(base)
-        nets[kind] = ours_tp(model, args.sp) if kind == "ours" else torch_tp(model, args.sp)
+        nets[kind] = ours_tp(model, args.sp, args) if kind == "ours" else torch_tp(model, args.sp)
         opts[kind] = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     del base
     times = {k: [] for k in kinds}
@@ -218,6 +241,7 @@ def main(argv=None) -> dict:
     p.add_argument("--vocab", type=int, default=512, help="vocabulary (divisible by nproc: the same split both sides)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=4, help="sequences per step (every tp rank holds all of them)")
+    p.add_argument("--dropout", type=float, default=0.0, help="model.dropout on both sides (see the docstring)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="intra-op threads per rank")
     p.add_argument("--memory-steps", type=int, default=2, help="steps of each single-variant memory run (0: skip)")
     p.add_argument("--json", default=None, help="where to write the results (default bench/results/tp[_sp].json)")
@@ -240,6 +264,9 @@ def main(argv=None) -> dict:
         "torch": torch.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "backend": "gloo", "tp": args.nproc, "sequence_parallel": args.sp, "threads_per_rank": args.threads,
         "batch": args.batch, "seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps,
+        "dropout": args.dropout,
+        "peer_dropout_rng": ("torch's per-rank CPU generator (DTensor's OffsetBasedRNGTracker needs a CUDA-like device)"
+                             if args.dropout else None),
         "model": run["model"],
         "ours": {"step_s_median": ours, "step_s": times["ours"], "saved_bytes": run["saved_bytes"]["ours"]},
         "torch_dtensor": {"step_s_median": ref, "step_s": times["torch"], "saved_bytes": run["saved_bytes"]["torch"]},
@@ -253,7 +280,8 @@ def main(argv=None) -> dict:
         for kind, key in (("ours", "ours"), ("torch", "torch_dtensor")):
             result[key]["peak_rss_mb"] = _launch(args, kind)["peak_rss_mb"]
         result["ratio_peak_rss"] = result["ours"]["peak_rss_mb"] / result["torch_dtensor"]["peak_rss_mb"]
-    out = Path(args.json) if args.json else RESULTS / ("tp_sp.json" if args.sp else "tp.json")
+    stem = ("tp_sp" if args.sp else "tp") + ("_dropout" if args.dropout else "")
+    out = Path(args.json) if args.json else RESULTS / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     _print_table(result, out)
@@ -264,7 +292,7 @@ def _print_table(r: dict, out: Path) -> None:
     m = r["model"]
     print(f"{m['name']} {m['flavor']} ({m['parameters'] / 1e6:.1f}M params), tp {r['tp']}"
           f"{' + SP' if r['sequence_parallel'] else ''} x {r['threads_per_rank']} thread(s), gloo, "
-          f"batch {r['batch']}x{r['seq_len']}")
+          f"batch {r['batch']}x{r['seq_len']}" + (f", dropout {r['dropout']}" if r.get("dropout") else ""))
     print(f"{'':26}{'step (median s)':>16}{'saved (MiB)':>14}{'peak RSS (MiB)':>16}")
     for label, key in (("shardwise TP", "ours"), ("torch DTensor TP", "torch_dtensor")):
         v = r[key]

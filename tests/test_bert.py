@@ -1,6 +1,8 @@
-"""The bert flavour in the trainer: masked-LM on data parallel, ZeRO-3, pp 2 and tp 2, classification on data
-parallel, ZeRO-2 and tp 2, each on 2 ranks, train the same model as one process (fp32, 1e-5); the masking is
-15 % / 80-10-10 and the same for every layout; what is not implemented is refused with one line."""
+"""The bert flavour in the trainer: masked-LM on data parallel, ZeRO-3, pp 2 and tp 2, and -- with dropout 0.1
+and clipping off -- tp 2 + sequence parallelism and cp 2 (every algorithm, bidirectional); classification on
+data parallel, ZeRO-2, tp 2 and (with dropout) pp 2; each on 2 ranks trains the same model as one process
+(fp32, 1e-5); the masking is 15 % / 80-10-10 and the same for every layout; what is not implemented is
+refused with one line."""
 
 from __future__ import annotations
 
@@ -38,6 +40,21 @@ def test_mlm_on_data_parallel_zero3_pipeline_and_tensor_parallel_equals_one_proc
     assert_same_training(run(tmp_path, cache_dir, "bert-tp2", 2, **BERT, **{"parallel.tp": 2}), single, atol=1e-5)
 
 
+DROPOUT = {"model.dropout": 0.1, "train.grad_clip": 0}
+
+
+def test_mlm_with_sequence_and_context_parallelism_equals_one_process(tmp_path, cache_dir):
+    """Token types looked up for the rank's tokens under sequence parallelism; bidirectional context-parallel
+    cores (every block of keys seen whole) with dropout on their probabilities; the embedding, residual and
+    attention masks those of one process."""
+    single = run(tmp_path, cache_dir, "bert1", 1, **BERT, **DROPOUT)
+    for name, overrides in [("tp2-sp", {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+                            ("ring2", {"parallel.cp": 2}),
+                            ("allgather2", {"parallel.cp": 2, "parallel.cp_algorithm": "allgather"}),
+                            ("ulysses2", {"parallel.cp": 2, "parallel.cp_algorithm": "ulysses"})]:
+        assert_same_training(run(tmp_path, cache_dir, name, 2, **BERT, **DROPOUT, **overrides), single, atol=1e-5)
+
+
 def test_bert_configs_that_are_not_implemented_are_refused_with_one_line():
     import pytest
 
@@ -54,10 +71,11 @@ def test_bert_configs_that_are_not_implemented_are_refused_with_one_line():
         ({"train_objective": "classify"}, "model.n_classes=0: train.objective='classify' needs the number"),
         ({"train_objective": "classify", "model_n_classes": 2}, "reads a label per document from a jsonl or parquet"),
         ({"train_objective": "causal"}, "model.flavor='bert' is a bidirectional encoder"),
-        ({"parallel_pp": 2, "train_objective": "classify", "model_n_classes": 2, "data_source": __file__,
-          "data_format": "jsonl"}, "parallel.pp=2 with train.objective='classify' is not implemented yet"),
-        ({"parallel_tp": 2, "parallel_sequence_parallel": "true"},
-         "parallel.sequence_parallel=True with model.flavor='bert' is not implemented yet"),
+        ({"parallel_tp": 2, "parallel_sequence_parallel": "true", "train_objective": "classify", "model_n_classes": 2,
+          "data_source": __file__, "data_format": "jsonl"},
+         "parallel.sequence_parallel=true with train.objective='classify': the classifier reads the [CLS] token"),
+        ({"parallel_cp": 2, "train_objective": "classify", "model_n_classes": 2, "data_source": __file__,
+          "data_format": "jsonl"}, "parallel.cp=2 with train.objective='classify': the classifier reads"),
         ({"model_vocab_size": 259}, "model.vocab_size=259 leaves no ids for bert's [PAD], [CLS] and [MASK]"),
     ]:
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -90,3 +108,14 @@ def test_classify_on_data_parallel_zero2_and_tensor_parallel_equals_one_process(
     assert_same_training(run(tmp_path, cache_dir, "cls-dp2", 2, **cls), single, atol=1e-5)
     assert_same_training(run(tmp_path, cache_dir, "cls-zero2", 2, **cls, **{"parallel.zero": 2}), single, atol=1e-5)
     assert_same_training(run(tmp_path, cache_dir, "cls-tp2", 2, **cls, **{"parallel.tp": 2}), single, atol=1e-5)
+
+
+def test_classify_in_a_pipeline_equals_one_process(tmp_path, cache_dir):
+    """pp 2: every stage masks the [PAD] keys of its micro-batch (from the tokens every pipeline rank reads), the
+    last holds the pooler, the classifier and its dropout."""
+    data = labelled_jsonl(tmp_path / "docs.jsonl")
+    cls = {**BERT, **DROPOUT, "train.objective": "classify", "model.n_classes": 2, "data.source": str(data),
+           "data.val_fraction": 0.2, "data.max_bytes": 0}
+    single = run(tmp_path, cache_dir, "cls1", 1, **cls)
+    pipe = run(tmp_path, cache_dir, "cls-pp2", 2, **cls, **{"parallel.pp": 2, "parallel.microbatches": 2})
+    assert_same_training(pipe, single, atol=1e-5)

@@ -22,7 +22,7 @@ import tomli_w
 import shardwise.config as config_module
 from shardwise import config_resolve
 from shardwise.cli import main, split_overrides
-from shardwise.config import CHOICES, Config, ConfigError
+from shardwise.config import CHOICES, Config, ConfigError, key_name
 
 SRC = Path(config_module.__file__).parent
 BASE = {"parallel.nproc": "2"}
@@ -30,8 +30,10 @@ BASE = {"parallel.nproc": "2"}
 
 
 def all_fields() -> list[str]:
+    """Every field under its config key (a keyword's attribute ``async_`` is the key ``async``)."""
     cfg = Config()
-    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, s.name))]
+    return [f"{s.name}.{key_name(f.name)}" for s in dataclasses.fields(cfg)
+            for f in dataclasses.fields(getattr(cfg, s.name))]
 
 
 def field_docs() -> dict[str, str]:
@@ -42,7 +44,7 @@ def field_docs() -> dict[str, str]:
         if isinstance(node, ast.ClassDef) and node.name in sections:
             for stmt, after in itertools.pairwise(node.body):
                 if isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr):
-                    docs[f"{sections[node.name]}.{stmt.target.id}"] = after.value.value
+                    docs[f"{sections[node.name]}.{key_name(stmt.target.id)}"] = after.value.value
     return docs
 
 
@@ -71,6 +73,8 @@ def _context(dotted: str, value, tmp_path: Path) -> dict:
         return {"model.flavor": "bert", "model.n_classes": 2, "data.source": str(labelled(tmp_path))}
     if dotted == "data.format":
         return {"data.source": str(tmp_path)}
+    if dotted == "model.moe_router":
+        return {"model.n_experts": 4}
     if dotted == "parallel.offload":
         return {"parallel.zero": 1}
     if dotted == "parallel.zero_param_dtype":
@@ -234,18 +238,26 @@ PROOFS: dict[str, tuple] = {
                         Refused({"model.n_classes": 3}, "but train.objective='causal'")),
     "model.init_from": (reads("train/loop.py", "hf/init.py"),
                         Refused({"model.init_from": "gpt2"}, "use 'hf:PATH'")),
-    "model.n_experts": (reads("model/transformer.py"),
-                        Refused({"model.n_experts": 4, "parallel.tp": 2, "parallel.sequence_parallel": True},
-                                "MoE blocks stay whole on every tensor-parallel rank")),
+    "model.n_experts": (reads("model/transformer.py"),),
     "model.moe_top_k": (reads("model/transformer.py"), Refused({"model.moe_top_k": 1}, "but model.n_experts=0"),
                         Refused({"model.n_experts": 4, "model.moe_top_k": 5}, "must be in 1..model.n_experts=4")),
     "model.moe_every": (reads("model/transformer.py"), Refused({"model.moe_every": 2}, "but model.n_experts=0")),
     "model.moe_shared": (reads("model/transformer.py"), Refused({"model.moe_shared": 1}, "but model.n_experts=0")),
     "model.moe_capacity_factor": (reads("model/transformer.py"),
-                                  Refused({"model.moe_capacity_factor": 1.25}, "but model.n_experts=0")),
+                                  Refused({"model.moe_capacity_factor": 1.25}, "but model.n_experts=0"),
+                                  Refused({"model.n_experts": 4, "model.moe_capacity_factor": 1.0, "parallel.tp": 2,
+                                           "parallel.sequence_parallel": True}, "use model.moe_capacity_factor=0")),
     "model.moe_aux_coeff": (reads("model/transformer.py"),
                             Refused({"model.moe_aux_coeff": 0.1}, "but model.n_experts=0")),
     "model.moe_z_coeff": (reads("model/transformer.py"), Refused({"model.moe_z_coeff": 0.1}, "but model.n_experts=0")),
+    "model.moe_router": (reads("model/transformer.py"),
+                         Refused({"model.moe_router": "softmax_renorm"}, "but model.n_experts=0"),
+                         Refused({"model.n_experts": 4, "model.moe_router": "top1"}, "is not valid; use one of")),
+    "model.moe_bias_rate": (reads("model/transformer.py"),
+                            Refused({"model.n_experts": 4, "model.moe_bias_rate": 0.01},
+                                    "but model.moe_router='softmax' has none")),
+    "model.moe_d_ff": (reads("model/transformer.py"), Refused({"model.moe_d_ff": 32}, "but model.n_experts=0")),
+    "model.qk_norm": (reads("model/transformer.py"), Refused({"model.qk_norm": True}, "model.flavor='gpt2' has none")),
     "data.source": (reads("data/cache.py"),),
     "data.format": (reads("data/cache.py"), Refused({"data.format": "jsonl"}, "data.source='stdlib'")),
     "data.text_field": (reads("data/cache.py"), Refused({"data.text_field": "body"}, "read as plain text")),
@@ -302,9 +314,7 @@ PROOFS: dict[str, tuple] = {
                     Refused({"parallel.ep": 2}, "needs a mixture-of-experts model"),
                     Refused({"model.n_experts": 4, "parallel.nproc": 4, "parallel.ep": 3}, "does not divide"),
                     Refused({"model.n_experts": 4, "parallel.nproc": 2, "parallel.ep": 4},
-                            "parallel.ep=4 does not divide parallel.dp=2"),
-                    Refused({"model.n_experts": 4, "parallel.nproc": 4, "parallel.ep": 2, "parallel.zero": 3,
-                             "parallel.zero_hpz": 2}, "hpZ's secondary partitions span")),
+                            "parallel.ep=4 does not divide parallel.dp=2")),
     "parallel.zero": (reads("train/engine.py"),),
     "parallel.zero_unit": (reads("train/engine.py"),
                            Refused({"parallel.zero": 2, "parallel.zero_unit": 2}, "set parallel.zero=3")),
@@ -366,6 +376,8 @@ PROOFS: dict[str, tuple] = {
     "ckpt.every": (reads("train/loop.py"),),
     "ckpt.keep": (reads("train/loop.py"),),
     "ckpt.resume": (reads("train/loop.py"),),
+    "ckpt.async": (reads("train/loop.py", pattern=r"ckpt\.async_"),
+                   Refused({"ckpt.async": True, "ps.servers": 1}, "the parameter server's checkpoints")),
     "run.dir": (reads("launch.py"),),
     "run.device": (Derives({"run.device": "cpu"}, ("parallel.backend",)),),
     "run.progress": (reads("train/loop.py"),),

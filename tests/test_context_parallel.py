@@ -98,7 +98,6 @@ def test_bad_context_parallel_layouts_are_refused_before_spawning(tmp_path, cach
          "splits the 3 heads"),
         ({"parallel.cp": 2, "parallel.cp_algorithm": "tree"}, "parallel.cp_algorithm='tree' is not valid"),
         ({"parallel.cp_balance": "none"}, "but parallel.cp=1"),
-        ({"parallel.cp": 2, "model.dropout": 0.1}, "has no attention dropout"),
     ]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):
@@ -141,6 +140,8 @@ RING_NONE = {"parallel.cp_balance": "none"}
     ("cp2-pp2-full", "gpt2", 4, {"parallel.cp": 2, "parallel.pp": 2, "parallel.microbatches": 2,
                                  "train.recompute": "full"}),
     ("cp2-zero3", "gpt2", 2, {"parallel.cp": 2, "parallel.zero": 3}),
+    # ZeRO++ hpZ: its groups are 2 consecutive ranks of the dp x cp group ZeRO shards over
+    ("cp2-dp2-zero3-hpz2", "gpt2", 4, {"parallel.cp": 2, "parallel.zero": 3, "parallel.zero_hpz": 2}),
 ])
 def test_context_parallel_equals_one_process(references, tmp_path, cache_dir, name, flavour, nproc, overrides):
     """Also: the attention work is balanced (head-tail) or 2cp - 1 (contiguous), and cp_sent_bytes measured

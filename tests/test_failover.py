@@ -33,9 +33,9 @@ def _launch(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
 
 
-def _killed_run_matches_uninterrupted(tmp_path, cache_dir, fault: str, **layout):
+def _killed_run_matches_uninterrupted(tmp_path, cache_dir, fault: str, max_lost: int = EVERY, **layout):
     """Launch with ``fault``; return (metrics records, console text) after checking the final weights
-    against an uninterrupted run of the same seed and layout."""
+    against an uninterrupted run of the same seed and layout (and that at most ``max_lost`` steps were lost)."""
     overrides = {"train.steps": STEPS, "ckpt.every": EVERY, "ckpt.keep": 2, **layout}
     _, reference, _ = run(tmp_path, cache_dir, "reference", 2, **overrides)
     run_dir = tmp_path / "killed"
@@ -50,7 +50,7 @@ def _killed_run_matches_uninterrupted(tmp_path, cache_dir, fault: str, **layout)
     raw = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     restarts = [r for r in raw if "restart" in r]
     assert [r["restart"] for r in restarts] == list(range(1, len(fault.split(",")) + 1))
-    assert all(0 <= r["steps_lost"] <= EVERY for r in restarts), restarts
+    assert all(0 <= r["steps_lost"] <= max_lost for r in restarts), restarts
     timeline = read_metrics(run_dir)
     assert [r["step"] for r in timeline if "loss" in r] == list(range(1, STEPS + 1)), "one record per step"
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
@@ -65,6 +65,18 @@ def test_data_parallel_survives_a_kill_and_a_kill_while_saving(tmp_path, cache_d
     assert [(r["resumed_step"], r["steps_lost"]) for r in restarts] == [(2, 1), (4, 2)]
     assert "removed 1 partial checkpoint(s) left by a failed write: .tmp-step_00000006-" in out
     assert "restart 1 of 3: resumed at step 2, 1 step(s) lost" in out
+
+
+def test_a_crash_during_a_background_checkpoint_write_keeps_the_previous_one(tmp_path, cache_dir):
+    """ckpt.async: rank 1 is SIGKILLed by its writer thread after writing its file of checkpoint 6, while training
+    goes on; checkpoint 6 never becomes valid (no manifest, no rename), so the restart resumes from 4, removes the
+    partial directory, and the run ends bit-identical to an uninterrupted one with ckpt.keep's 2 checkpoints. The
+    steps trained while checkpoint 6 was being written are lost too: up to 2 x ckpt.every."""
+    restarts, out, run_dir = _killed_run_matches_uninterrupted(tmp_path, cache_dir, "save@6:r1", max_lost=2 * EVERY,
+                                                               **{"ckpt.async": "true"})
+    assert [r["resumed_step"] for r in restarts] == [4]
+    assert "removed 1 partial checkpoint(s) left by a failed write: .tmp-step_00000006-" in out
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_00000006", "step_00000008"]
 
 
 def test_zero3_survives_a_kill(tmp_path, cache_dir):

@@ -3,6 +3,8 @@ is the transformers model's loss on the same batch (fp32)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,3 +76,33 @@ def test_export_command_writes_the_trained_run(tmp_path, cache_dir, capsys):
         texts.append(captured.out)
         assert "12 tokens in" in captured.err and "tokens/s" in captured.err
     assert texts[0] == texts[1] and texts[0].startswith("import ")
+
+
+def test_export_of_a_bf16_run_is_bf16_and_sharded_when_asked(tmp_path, cache_dir, capsys):
+    """The export's dtype defaults to the run's parameter dtype (bf16 here); --max-shard-size gives Hub-style shards
+    and an index that transformers loads; an unknown --dtype fails in one line."""
+    from safetensors import safe_open
+
+    from shardwise.cli import main
+    from shardwise.generate_run import load_trained_model
+
+    run(tmp_path, cache_dir, "bf16", 1, **{"train.steps": 1, "train.precision": "bf16"})
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "bf16"), "--format", "hf", str(out), "--max-shard-size", "40KB"]) == 0
+    assert "weight shards and their index" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file()
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118
+    ours, _ = load_trained_model(tmp_path / "bf16")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours_bf16 = ours.to(torch.bfloat16).float()  # the same rounding of every weight
+        torch.testing.assert_close(ours_bf16.eval()(tokens), theirs(tokens).logits, atol=1e-4, rtol=0)
+    capsys.readouterr()  # transformers' loading bars
+    assert main(["export", str(tmp_path / "bf16"), "--format", "hf", str(tmp_path / "x"), "--dtype", "fp8"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --dtype='fp8' is not a dtype we export; use one of bf16, "
+                                               "fp16, fp32")

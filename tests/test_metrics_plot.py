@@ -114,7 +114,10 @@ def test_tensorboard_import_failure_warns_once(tmp_path, monkeypatch):
 def test_bad_metric_values(tmp_path):
     with MetricsLogger(tmp_path, True, 2, tensorboard=False, console=_quiet()) as log:
         with pytest.raises(TypeError, match="'bad'"):
-            log.log(1, {"bad": [1, 2]})
+            log.log(1, {"bad": {"a": 1}})
+        with pytest.raises(TypeError, match="'bad'"):
+            log.log(1, {"bad": [1, object()]})
+        log.log(1, {"load": [1, 2.5]})  # a short vector of numbers (an MoE block's load per expert) is fine
         with pytest.raises(ValueError, match="step"):
             log.log(1, {"step": 3})
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):

@@ -90,19 +90,28 @@ def test_mixtral_shaped_preset_has_the_published_parameter_counts():
     assert round(c.active / 1e9, 1) == 12.9
 
 
-def test_planner_counts_equal_the_built_model():
-    """The planner's exact count (moe_every, shared experts, gpt2 biases) equals the model's parameters."""
+@pytest.mark.parametrize("over", [
+    {"model.preset": "tiny-moe", "model.moe_every": "2", "model.moe_shared": "1"},
+    {"model.preset": "tiny-llama", "model.n_experts": "4", "model.moe_every": "2", "model.moe_d_ff": "48",
+     "model.qk_norm": "true", "model.moe_router": "sigmoid_bias"},  # Qwen3-MoE's shape: expert width, QK-norm
+], ids=["gpt2-shared", "llama-qwen3-shape"])
+def test_planner_counts_equal_the_built_model(over):
+    """The planner's exact count (moe_every, shared experts, gpt2 biases, the experts' own width, QK-norm gains)
+    equals the model's parameters."""
     from shardwise.config import Config
     from shardwise.config_resolve import resolve
     from shardwise.model import Transformer
-    from shardwise.plan.params import count_params
+    from shardwise.plan.params import block_params, count_params
 
-    over = {"model.preset": "tiny-moe", "model.moe_every": "2", "model.moe_shared": "1", "parallel.nproc": "1"}
+    over = {**over, "parallel.nproc": "1"}
     cfg = resolve(Config.load(overrides=over), tokenizer_vocab=257)
-    assert count_params(_spec(**over)).total == Transformer(cfg.model).num_parameters()
+    model = Transformer(cfg.model)
+    assert count_params(_spec(**over)).total == model.num_parameters()
+    moe_block = model.blocks[cfg.model.moe_every - 1]
+    assert block_params(_spec(**over)) == sum(p.numel() for p in moe_block.parameters())
 
 
-def test_plot_adds_an_expert_load_row(tmp_path):
+def test_plot_adds_an_expert_load_row_and_heat_map(tmp_path):
     import json
     import struct
 
@@ -115,10 +124,11 @@ def test_plot_adds_an_expert_load_row(tmp_path):
                 rec = {"step": step, "loss": 5.0 / step, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0}
                 if moe:
                     rec |= {"moe_tokens_per_expert_mean": 32.0, "moe_tokens_per_expert_min": 20.0 + step,
-                            "moe_tokens_per_expert_max": 50.0 - step, "moe_aux_loss": 1.1, "moe_dropped_frac": 0.1}
+                            "moe_tokens_per_expert_max": 50.0 - step, "moe_aux_loss": 1.1, "moe_dropped_frac": 0.1,
+                            "moe_load_layer0": [20 + step, 30, 40, 38 - step], "moe_load_layer1": [32] * 4}
                 f.write(json.dumps(rec) + "\n")
     sizes = {}
     for runs in (["dense"], ["dense", "moe"]):
         out = plot_runs([tmp_path / r for r in runs], tmp_path / f"{len(runs)}.png")
         sizes[len(runs)] = struct.unpack(">II", out.read_bytes()[16:24])  # the PNG's width, height
-    assert sizes[1][1] == 800 and sizes[2][1] == 1200, sizes
+    assert sizes[1][1] == 800 and sizes[2][1] == 1600, sizes  # MoE: the expert-load row and the load heat map

@@ -42,7 +42,10 @@ def test_json_and_dotted_planner_flags(capsys):
                                    "mem_activations_bytes", "mem_device_bytes"}
     assert {"tokens_per_s", "step_time_s", "mfu", "comm_bytes"} <= set(best["time"])
     assert doc["training"]["gpus_needed_6ND"] > 0 and doc["training"]["days"] > 0
-    assert doc["dropped"]  # ZeRO-2/3 with pipeline parallelism
+    # ZeRO-2/3 inside the pipeline are searched too, with the stage's unsharded gradients held to the flush
+    assert {c["layout"]["zero"] for c in doc["layouts"]} >= {1, 2, 3}
+    z3 = next(c for c in doc["layouts"] if c["layout"]["zero"] == 3)
+    assert z3["memory"]["mem_grad_accum_bytes"] == z3["memory"]["mem_gathered_bytes"] > 0
 
 
 def test_plot(capsys, tmp_path):

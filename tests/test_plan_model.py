@@ -31,7 +31,7 @@ def test_param_count_equals_transformer(preset):
 
 def test_planner_accepts_layouts_the_trainer_rejects():
     cfg = Config.load(overrides={"model.preset": "gpt3-175b", "parallel.tp": "8", "parallel.pp": "8",
-                                 "parallel.zero": "2"})
+                                 "ps.servers": "1"})
     with pytest.raises(ConfigError):
         resolve(cfg, world_size=64)
     assert model_spec(cfg).n_layers == 96

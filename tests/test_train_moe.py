@@ -193,3 +193,46 @@ def test_moe_pipeline_equals_one_process(reference, tmp_path, cache_dir, nproc, 
     assert len(got) == len(want) == 3
     for g, w in zip(got, want, strict=True):  # the routers' metrics join every stage's blocks
         assert [g[k] for k in keys] == pytest.approx([w[k] for k in keys], abs=1e-5)
+
+
+MOE6 = {"model.preset": "tiny-moe", "model.n_layers": 4, "train.steps": 6, "train.micro_batch": 4}
+"""Six steps at micro-batches of 4 (dp 2's share): long enough that some rank's local experts get no token in some
+step -- they must still take their (zero-gradient) optimizer step as the single process's stacked tensor does."""
+
+
+@pytest.fixture(scope="module")
+def reference6(tmp_path_factory, cache_dir):
+    """One process, per gradient clip (1.0, the default, and 0: off): (result, run directory)."""
+    tmp, done = tmp_path_factory.mktemp("ref-moe6"), {}
+
+    def get(clip: float):
+        if clip not in done:
+            done[clip] = run(tmp, cache_dir, f"ref-clip{clip}", 1, **MOE6, **{"train.grad_clip": clip}), \
+                tmp / f"ref-clip{clip}"
+        return done[clip]
+
+    return get
+
+
+@pytest.mark.parametrize("name,nproc,overrides", [  # dp 2 in every case: micro-batches of 4 as the reference's
+    ("ep2-noclip", 2, {"parallel.ep": 2, "train.grad_clip": 0}),
+    ("ep2-tp2-sp", 4, {"parallel.ep": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}),
+    ("cp2-ep2", 4, {"parallel.cp": 2, "parallel.ep": 2}),
+    ("cp2-ep2-ulysses-noclip", 4, {"parallel.cp": 2, "parallel.ep": 2, "parallel.cp_algorithm": "ulysses",
+                                   "train.grad_clip": 0}),
+    # ZeRO-3 with hpZ: dense units keep secondary partitions over 2 consecutive dp x cp ranks; expert units,
+    # sliced over their own replicas, gather from their primary slices
+    ("cp2-ep2-zero3-hpz2", 4, {"parallel.cp": 2, "parallel.ep": 2, "parallel.zero": 3, "parallel.zero_hpz": 2}),
+])
+def test_experts_with_every_axis_equal_one_process(reference6, tmp_path, cache_dir, name, nproc, overrides):
+    """Experts under sequence parallelism (each tp rank routes its sequence shard; the router's and experts'
+    partial gradients are summed over tp) and under context parallelism (each cp rank routes its share of
+    the sequence; the load-balancing and z losses are the whole sequence's: routed counts summed over the
+    ranks, probability sums taken as the language-model loss is), with the experts split over ep: the same
+    model as one process (losses, pre-clip gradient norms, weights) and the same router metrics."""
+    result = run(tmp_path, cache_dir, name, nproc, **MOE6, **overrides)
+    ref, ref_dir = reference6(overrides.get("train.grad_clip", 1.0))
+    assert_same_training(result, ref, atol=1e-5)
+    for got, want in zip(read_metrics(tmp_path / name), read_metrics(ref_dir), strict=True):
+        for key in ("moe_aux_loss", "moe_z_loss", "moe_tokens_per_expert_min", "moe_tokens_per_expert_max"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5), (key, got[key], want[key])

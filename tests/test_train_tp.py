@@ -75,30 +75,67 @@ def test_resume_across_tensor_parallel_layouts(single_process, tmp_path, cache_d
     the checkpoint holds the single-process state, so the result equals an uninterrupted single process."""
     run(tmp_path, cache_dir, "resumed", first[0], stop_after=6, **{"ckpt.every": 3, **first[1]})
     result = run(tmp_path, cache_dir, "resumed", then[0], **{"ckpt.every": 3, "ckpt.resume": True, **then[1]})
-    assert_same_training(([*single_process[0][:6], *result[0]], result[1]), single_process, atol=1e-5)
+    assert_same_training(([*single_process[0][:6], *result[0]], result[1], [*single_process[2][:6], *result[2]]),
+                         single_process, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,schedule", [
-    ("tp2-pp2", {}),
-    ("tp2-pp2-interleaved", {"parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2}),
+SP = {"parallel.sequence_parallel": True}
+ZB = {"parallel.pp_schedule": "zb-h1"}
+INTERLEAVED = {"parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2}
+LLAMA_KV1 = {"model.preset": "tiny-llama", "model.n_kv_heads": 1}  # tp 2 > 1 kv head: both ranks hold it
+
+
+@pytest.mark.parametrize("name,model,layout", [
+    ("tp2-pp2", {}, {}),
+    ("tp2-pp2-interleaved", {}, INTERLEAVED),
+    ("tp2-pp2-sp-interleaved-noclip", {"train.grad_clip": 0}, {**SP, **INTERLEAVED}),
+    ("llama-kv1-tp2-pp2-sp-zb-h1", LLAMA_KV1, {**SP, **ZB}),
 ])
-def test_tensor_parallel_stages_equal_one_process(tmp_path, cache_dir, name, schedule):
+def test_tensor_parallel_stages_equal_one_process(tmp_path, cache_dir, name, model, layout):
     """tp 2 x pp 2 (4 ranks): every stage is rewritten by the same parallelize() as a whole model; the
     tied GPT-2 table's gradient is exchanged between the first and last stage of each tensor-parallel
-    rank (both hold the same vocabulary rows); the gradient norm counts owned pieces over tp and pp."""
-    layers = {"model.n_layers": 4}
-    ref = run(tmp_path, cache_dir, "ref", 1, **layers)
-    pp = run(tmp_path, cache_dir, name, 4, **{"parallel.tp": 2, "parallel.pp": 2,
-                                             "parallel.microbatches": 4, **layers, **schedule})
+    rank (both hold the same vocabulary rows); the gradient norm counts owned pieces over tp and pp.
+    With sequence parallelism stages exchange this rank's 1/tp of the tokens (Megatron's TP+SP+PP): the
+    bytes sent equal the planner's pp_sent_bytes, half of the whole-sequence ones at tp 2. zb-h1 defers
+    the column / row / vocabulary-parallel layers' weight gradients to its W actions, where the replicated
+    key/value head's gradient hook (llama, tp 2 > n_kv_heads 1) sums the replicas' parts."""
+    from shardwise.config import Config
+    from shardwise.plan.compare import measured_for_run, predicted_for_run
+
+    base = {"model.n_layers": 4, "train.steps": 6, **model}
+    ref = run(tmp_path, cache_dir, "ref", 1, **base)
+    pp = run(tmp_path, cache_dir, name, 4, **{"parallel.tp": 2, "parallel.pp": 2, "parallel.microbatches": 4,
+                                             **base, **layout})
     assert_same_training(pp, ref, atol=1e-5)
+    cfg = Config.load(tmp_path / name / "config.toml")
+    predicted, measured = predicted_for_run(cfg)["pp_sent_bytes"], measured_for_run(tmp_path / name)["pp_sent_bytes"]
+    assert measured == predicted, (measured, predicted)
+    if cfg.parallel.sequence_parallel:  # rank 0 sends (2v - 1) m activations of b (s / tp) h fp32, and its tied rows
+        v, m = cfg.parallel.pp_virtual, cfg.parallel.microbatches
+        message = cfg.train.micro_batch * cfg.data.seq_len // 2 * cfg.model.d_model * 4
+        tied = -(-cfg.model.vocab_size // 2) * cfg.model.d_model * 4 if cfg.model.tie_embeddings else 0  # its rows
+        assert measured == (2 * v - 1) * m * message + tied
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("zero", [1, 2])
 def test_zero_over_tensor_parallel_pieces_equals_one_process(single_process, tmp_path, cache_dir, zero):
     """tp 2 x dp 2 with ZeRO-1/2/3 over the data-parallel ranks of each tensor-parallel piece: the flat
     shards hold slices of sliced weights; the norm counts owned pieces over dp then tp."""
     result = run(tmp_path, cache_dir, f"tp2-z{zero}", 4, **{"parallel.tp": 2, "parallel.zero": zero})
     assert_same_training(result, single_process, atol=1e-5)
+
+
+def test_zero3_and_hpz_over_tensor_parallel_pieces_equal_one_process(single_process, tmp_path, cache_dir):
+    """tp 2 x dp 2 with ZeRO-3, and with ZeRO++ hpZ (parallel.zero_hpz 2): hpZ's groups are consecutive ranks of
+    each tensor-parallel rank's data-parallel group (not of the world, whose consecutive ranks are tp peers); a
+    unit's secondary partition lives from its forward to its backward gather, so the rank's parameter bytes grow."""
+    z3 = run(tmp_path, cache_dir, "tp2-z3", 4, **{"parallel.tp": 2, "parallel.zero": 3})
+    hpz = run(tmp_path, cache_dir, "tp2-z3-hpz2", 4, **{"parallel.tp": 2, "parallel.zero": 3, "parallel.zero_hpz": 2})
+    assert_same_training(z3, single_process, atol=1e-5)
+    assert_same_training(hpz, single_process, atol=1e-5)
+    params = [[r["mem_params_bytes"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").open())
+               if "mem_params_bytes" in r][0] for name in ("tp2-z3", "tp2-z3-hpz2")]
+    assert params[1] > params[0], params
 
 
 def test_zero_tp_checkpoint_resumes_on_plain_data_parallel(single_process, tmp_path, cache_dir):
@@ -107,17 +144,39 @@ def test_zero_tp_checkpoint_resumes_on_plain_data_parallel(single_process, tmp_p
     run(tmp_path, cache_dir, "resumed", 4, stop_after=6,
         **{"ckpt.every": 3, "parallel.tp": 2, "parallel.zero": 3})
     result = run(tmp_path, cache_dir, "resumed", 2, **{"ckpt.every": 3, "ckpt.resume": True})
-    assert_same_training(([*single_process[0][:6], *result[0]], result[1]), single_process, atol=1e-5)
+    assert_same_training(([*single_process[0][:6], *result[0]], result[1], [*single_process[2][:6], *result[2]]),
+                         single_process, atol=1e-5)
 
 
-def test_three_axes_with_zero1_equal_one_process(tmp_path, cache_dir):
-    """tp 2 x pp 2 x dp 2 with ZeRO-1 on 8 ranks: Megatron's 3-D layout with the distributed optimizer."""
-    layers = {"model.n_layers": 4, "data.val_fraction": 0.1}  # enough held-out windows for the validation set
-    ref = run(tmp_path, cache_dir, "ref", 1, **layers)
-    got = run(tmp_path, cache_dir, "tp2-pp2-dp2-z1", 8, **layers, **{"parallel.tp": 2, "parallel.pp": 2,
-                                                                     "parallel.zero": 1, "parallel.microbatches": 4})
-    assert_same_training(got, ref, atol=1e-5)
-    # the validation set is the same windows whatever the layout (dp 2 x micro 1 here, dp 1 x micro 8 there)
-    val = [[r["val_loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").open()) if "val_loss" in r]
-           for name in ("ref", "tp2-pp2-dp2-z1")]
-    assert len(val[0]) == len(val[1]) == 2 and max(abs(a - b) for a, b in zip(*val, strict=True)) < 1e-5, val
+def _train_many(jobs):
+    """Rank body: several trainer runs in one pool call; rank 0 returns their (losses, weights, grad norms)."""
+    from tests.test_train import _train_on_rank
+
+    return [_train_on_rank(cfg, run_dir) for cfg, run_dir in jobs]
+
+
+def test_megatron_3d_layouts_equal_one_process(tmp_path, cache_dir):
+    """tp 2 x pp 2 x dp 2 on 8 ranks, Megatron's GPT recipe: sequence parallelism inside the tensor-parallel
+    pipeline and ZeRO-1 (the distributed optimizer), under 1F1B and under interleaved stages (virtual
+    pipeline), each without and with dropout 0.1 (masks drawn from the single-process positions), clipping
+    off: the same model as one process. The validation set is the same windows whatever the layout."""
+    from tests.harness import run_on_ranks
+    from tests.test_train import make_config
+
+    base = {"model.n_layers": 4, "data.val_fraction": 0.1, "train.steps": 6, "train.grad_clip": 0}
+    layout = {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 1, "parallel.microbatches": 4,
+              "parallel.sequence_parallel": True}
+    schedules = {"1f1b": {}, "interleaved": {"parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2}}
+    jobs, refs = {}, {}
+    for dropout in (0.0, 0.1):
+        refs[dropout] = run(tmp_path, cache_dir, f"ref-{dropout}", 1, **base, **{"model.dropout": dropout})
+        for name, schedule in schedules.items():
+            run_dir = tmp_path / f"{name}-{dropout}"
+            jobs[(name, dropout)] = (make_config(run_dir, cache_dir, 8, **base, **layout, **schedule,
+                                                 **{"model.dropout": dropout}), str(run_dir))
+    results = run_on_ranks(8, _train_many, list(jobs.values()))[0]
+    for (name, dropout), result in zip(jobs, results, strict=True):
+        assert_same_training(result, refs[dropout], atol=1e-5)
+        val = [[r["val_loss"] for r in map(json.loads, (tmp_path / d / "metrics.jsonl").open()) if "val_loss" in r]
+               for d in (f"ref-{dropout}", f"{name}-{dropout}")]
+        assert len(val[0]) == len(val[1]) == 2 and max(abs(a - b) for a, b in zip(*val, strict=True)) < 1e-5, val

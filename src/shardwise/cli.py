@@ -65,8 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "a transformers directory)")
     p.add_argument("run_dir", type=Path)
     p.add_argument("out_dir", type=Path)
-    p.add_argument("--format", choices=["hf"], required=True, help="hf: config.json, model.safetensors, tokenizer")
+    p.add_argument("--format", choices=["hf"], required=True, help="hf: config.json, model.safetensors (or shards "
+                                                                   "and their index), tokenizer")
     p.add_argument("--checkpoint", type=Path, help="a checkpoint directory (default: the newest valid one)")
+    p.add_argument("--dtype", help="bf16, fp16 or fp32 (default: the run's parameter dtype, bf16 for bf16 runs)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest weight file, e.g. 5GB (default), 500MB, 2GiB")
 
     p = sub.add_parser("plot", help="plot loss and throughput of runs; `plot timeline RUN_DIR`: a pipeline's schedule")
     p.add_argument("run_dirs", nargs="+", type=Path)
@@ -179,8 +182,10 @@ def cmd_export(args, _overrides) -> int:
     from shardwise.run_dir import check_path
 
     check_path(args.out_dir, "OUT_DIR")
-    out = export_run(args.run_dir, args.out_dir, args.checkpoint)
-    print(f"wrote {out} (config.json, model.safetensors, tokenizer); load it with transformers' "
+    out = export_run(args.run_dir, args.out_dir, args.checkpoint, args.dtype, args.max_shard_size)
+    weights = sorted(p.name for p in out.glob("model*.safetensors"))
+    what = weights[0] if len(weights) == 1 else f"{len(weights)} weight shards and their index"
+    print(f"wrote {out} (config.json, {what}, tokenizer); load it with transformers' "
           "AutoModelForCausalLM.from_pretrained")
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import os
 import types
 import typing
@@ -56,13 +57,15 @@ CP_ALGORITHMS = ("ring", "allgather", "ulysses")
 """parallel.cp_algorithm (the same as shardwise.parallel.context.ALGORITHMS, which needs torch)."""
 CP_BALANCES = ("headtail", "none")
 """parallel.cp_balance (shardwise.parallel.context.layout.BALANCES)."""
+MOE_ROUTERS = ("softmax", "softmax_renorm", "sigmoid_bias")
+"""model.moe_router (the same as shardwise.model.moe.ROUTERS, which needs torch)."""
 PS_CONSISTENCIES = ("bsp", "asp", "ssp")
 """ps.consistency (the same as shardwise.ps.consistency.MODES)."""
 PS_SCHEDULINGS = ("fifo", "priority")
 """ps.scheduling (the same as shardwise.ps.scheduling.POLICIES)."""
 
 CHOICES: dict[str, tuple] = {
-    "model.preset": PRESET_NAMES, "model.flavor": FLAVORS,
+    "model.preset": PRESET_NAMES, "model.flavor": FLAVORS, "model.moe_router": MOE_ROUTERS,
     "data.format": DATA_FORMATS, "data.tokenizer": TOKENIZERS,
     "train.precision": PRECISIONS, "train.objective": OBJECTIVES, "train.recompute": RECOMPUTE_MODES,
     "parallel.zero": ZERO_STAGES, "parallel.offload": OFFLOADS,
@@ -127,6 +130,18 @@ class ModelConfig:
     """With n_experts > 0: weight of the Switch load-balancing loss E*sum f_i P_i added to the training loss."""
     moe_z_coeff: float = 0.001
     """With n_experts > 0: weight of the ST-MoE router z-loss added to the training loss."""
+    moe_router: str = "softmax"
+    """With n_experts > 0: how a token picks its experts and weighs them: "softmax" (top-k of the softmax,
+    un-normalised gates: Switch / GShard), "softmax_renorm" (those k gates renormalised to sum 1: Mixtral,
+    Qwen3-MoE) or "sigmoid_bias" (sigmoid scores, top-k by score + a per-expert bias that balances the load
+    without an auxiliary loss, gates the normalised scores: DeepSeek-V3)."""
+    moe_bias_rate: float = 0.001
+    """With moe_router = "sigmoid_bias": after each step every expert's bias moves by this much towards balance
+    (+rate for an expert below the mean load, -rate above it)."""
+    moe_d_ff: int | None = None
+    """With n_experts > 0: inner size of each routed expert (Qwen3-MoE's moe_intermediate_size); default d_ff."""
+    qk_norm: bool = False
+    """With flavor = "llama": RMSNorm over each head's query and key before the rotary embedding (Qwen3)."""
 
 
 @dataclass
@@ -336,6 +351,9 @@ class CkptConfig:
     """Keep the newest K checkpoints."""
     resume: bool = False
     """Continue from the newest valid checkpoint in run.dir/checkpoints."""
+    async_: bool = False
+    """Written ``ckpt.async`` (``async`` is a Python keyword): write checkpoints in the background -- every rank
+    copies its pieces to host memory and trains on while a thread writes them, at most one write in flight."""
 
 
 @dataclass
@@ -402,7 +420,7 @@ class Config:
         hint = self._hint(dotted)
         section_name, _, key = dotted.partition(".")
         section = getattr(self, section_name)
-        setattr(section, key, _coerce(dotted, value, hint))
+        setattr(section, attribute(key), _coerce(dotted, value, hint))
 
     def set_text(self, dotted: str, text: str) -> None:
         """Set one field from command-line text, as the same value written in TOML would set it.
@@ -420,13 +438,14 @@ class Config:
         if section_name not in sections or not key:
             raise ConfigError(f"unknown config key {dotted!r}{_suggest(section_name, sections)}")
         hints = typing.get_type_hints(type(getattr(self, section_name)))
-        if key not in hints:
-            names = [f"{section_name}.{n}" for n in hints]
+        if attribute(key) not in hints:
+            names = [f"{section_name}.{key_name(n)}" for n in hints]
             raise ConfigError(f"unknown config key {dotted!r}{_suggest(dotted, names)}")
-        return hints[key]
+        return hints[attribute(key)]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """The tree as plain data, under the names files and the command line use (``ckpt.async``)."""
+        return {s: {key_name(k): v for k, v in vals.items()} for s, vals in dataclasses.asdict(self).items()}
 
     def to_toml(self) -> str:
         """The tree as TOML; unset (None) fields are left out, as TOML has no null."""
@@ -434,6 +453,17 @@ class Config:
 
         tree = {s: {k: v for k, v in vals.items() if v is not None} for s, vals in self.to_dict().items()}
         return tomli_w.dumps(tree)
+
+
+def attribute(key: str) -> str:
+    """The dataclass attribute of a config key: a Python keyword takes a trailing underscore (PEP 8), so
+    ``ckpt.async`` is ``CkptConfig.async_``; ``async_`` itself is accepted too."""
+    return f"{key}_" if keyword.iskeyword(key) else key
+
+
+def key_name(attr: str) -> str:
+    """The config key of a dataclass attribute (the inverse of :func:`attribute`)."""
+    return attr[:-1] if attr.endswith("_") and keyword.iskeyword(attr[:-1]) else attr
 
 
 # ---- value parsing -------------------------------------------------------------------------

@@ -50,7 +50,9 @@ CHECKS: list[Callable[[Config], None]] = [
 
 UNUSED: list[Callable[[Config], list[Unused]]] = [
     lambda cfg: [Unused("model.rope_theta", cfg.model.flavor == "llama", "sets rotary embeddings, which "
-                        f"model.flavor={cfg.model.flavor!r} does not use; use model.flavor='llama' or remove it")],
+                        f"model.flavor={cfg.model.flavor!r} does not use; use model.flavor='llama' or remove it"),
+                  Unused("model.qk_norm", cfg.model.flavor == "llama", "normalises llama's query and key heads; "
+                         f"model.flavor={cfg.model.flavor!r} has none; use model.flavor='llama' or remove it")],
     expert_checks.unused,
     data_checks.unused,
     train_checks.unused,

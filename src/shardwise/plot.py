@@ -45,7 +45,8 @@ def _labels(run_dirs: Sequence[Path]) -> list[str]:
 def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
     """Write a PNG comparing runs: loss (with ``val_loss`` markers), tokens/s, lr, grad norm; and, when a run
     has mixture-of-experts blocks, an expert-load row: tokens per expert (mean, min-max band) and the router's
-    load-balancing loss with the dropped fraction.
+    load-balancing loss with the dropped fraction, and a heat map of the first such run's load per block,
+    expert and step (``moe_load_layer{i}``).
 
     Each run is one colour across the panels, labelled by its directory name. Raises
     FileNotFoundError naming the run directory if it has no ``metrics.jsonl``, ValueError if
@@ -65,9 +66,13 @@ def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
         runs.append(records)
 
     moe = any(_series(r, "moe_tokens_per_expert_mean")[0] for r in runs)
-    fig = Figure(figsize=(12, 12 if moe else 8), layout="constrained")
+    heat = next(((records, label) for records, label in zip(runs, _labels(run_dirs), strict=True)
+                 if _load_layers(records)), None)
+    rows = 3 if moe else 2
+    fig = Figure(figsize=(12, 4 * (rows + (heat is not None))), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(3 if moe else 2, 2, sharex=True).ravel()
+    grid = fig.add_gridspec(rows + (heat is not None), 2)
+    axes = [fig.add_subplot(grid[r, c]) for r in range(rows) for c in range(2)]
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for ax, (key, title, ylabel, log_y) in zip(axes[:4], _PANELS, strict=True):
         plotted = False
@@ -94,6 +99,8 @@ def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
         _expert_panels(axes[4], axes[5], runs, _labels(run_dirs), colors)
     for ax in axes[-2:]:
         ax.set_xlabel("step")
+    if heat is not None:
+        _load_heat_map(fig.add_subplot(grid[rows, :]), *heat)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=100)
@@ -123,6 +130,41 @@ def _expert_panels(load_ax, router_ax, runs, labels, colors) -> None:
     for ax in (load_ax, router_ax):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
+
+
+def _load_layers(records) -> list[int]:
+    """The MoE blocks whose per-expert load (``moe_load_layer{i}``) the run logged."""
+    keys = {k for r in records for k in r if k.startswith("moe_load_layer")}
+    return sorted(int(k.removeprefix("moe_load_layer")) for k in keys)
+
+
+def _load_heat_map(ax, records, label: str) -> None:
+    """Expert load over time: one row per (MoE block, expert), one column per logged step, the colour the
+    expert's tokens relative to its block's mean that step (1 = balanced); blocks separated by lines."""
+    import numpy as np
+
+    layers = _load_layers(records)
+    steps = [r["step"] for r in records if f"moe_load_layer{layers[0]}" in r]
+    rows, names = [], []
+    for layer in layers:
+        loads = [r[f"moe_load_layer{layer}"] for r in records if f"moe_load_layer{layer}" in r]
+        grid = np.asarray(loads, dtype=float).T  # [experts, steps]
+        mean = grid.mean(axis=0, keepdims=True)
+        rows.append(np.divide(grid, mean, out=np.zeros_like(grid), where=mean > 0))
+        names += [f"{layer}.{e}" for e in range(grid.shape[0])]
+    image = np.concatenate(rows)
+    shown = ax.imshow(image, aspect="auto", interpolation="nearest", cmap="magma", origin="upper",
+                      extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5))
+    edge = -0.5
+    for block in rows[:-1]:
+        edge += block.shape[0]
+        ax.axhline(edge, color="white", linewidth=1.0)
+    every = max(1, len(names) // 32)
+    ax.set_yticks(range(0, len(names), every), names[::every], fontsize="small")
+    ax.set_title(f"expert load per block ({label}): tokens / block mean, 1 = balanced")
+    ax.set_xlabel("step")
+    ax.set_ylabel("block.expert")
+    ax.figure.colorbar(shown, ax=ax, label="load / mean")
 
 
 def plot_timeline(run_dir: Path, out: Path | None = None) -> tuple[Path, Path]:

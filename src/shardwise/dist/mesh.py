@@ -345,6 +345,21 @@ class Mesh:
     def world_size(self) -> int:
         return self.dims.world_size
 
+    def subgroup(self, axis: str, size: int) -> dist.ProcessGroup:
+        """This rank's group of ``size`` consecutive ranks of its ``axis`` group (e.g. ZeRO++ hpZ's node groups
+        inside the data-parallel group). A collective over the default group: every rank creates every such
+        group, in the same order."""
+        if self.size(axis) % size:
+            raise ValueError(f"a subgroup of {size} ranks does not divide the {axis} group of {self.size(axis)}")
+        mine = None
+        for ranks in self.dims.groups(axis):
+            for first in range(0, len(ranks), size):
+                sub = ranks[first:first + size]
+                group = dist.new_group(sub)
+                if self.global_rank in sub:
+                    mine = group
+        return mine
+
     @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.group("dp")

@@ -1,50 +1,122 @@
-"""``shardwise export RUN_DIR --format hf OUT_DIR``: a run's newest valid checkpoint as a directory
-``transformers`` loads (``AutoModelForCausalLM`` / ``GPT2LMHeadModel`` / ``LlamaForCausalLM``,
-``AutoTokenizer``).
+"""``shardwise export RUN_DIR --format hf OUT_DIR [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]``: a run's newest
+valid checkpoint as a directory ``transformers`` loads (``AutoModelForCausalLM`` / ``GPT2LMHeadModel`` /
+``LlamaForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM``, ``AutoTokenizer``).
 
-The directory holds ``config.json``, ``model.safetensors`` (fp32, the single-process weights under the
-``transformers`` names) and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``,
-``special_tokens_map.json``; the byte tokenizer is written as a byte-level BPE with no merges whose
-ids are the byte values). It is written under a temporary name beside ``OUT_DIR`` and renamed into
-place, as checkpoints are (rename(2)), so a failed export leaves nothing half-written.
+The directory holds ``config.json``, the weights under the ``transformers`` names in Hub-style shards
+(:mod:`shardwise.hf.shards`: ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` of at most
+``--max-shard-size`` bytes with ``model.safetensors.index.json``) in the run's parameter dtype unless ``--dtype``
+says otherwise (bf16 for a bf16 run, fp16 for an fp16 one, else fp32), and the tokenizer (``tokenizer.json``,
+``tokenizer_config.json``, ``special_tokens_map.json``; the byte tokenizer is written as a byte-level BPE with
+no merges whose ids are the byte values).
+
+The export streams: it reads the layout-free checkpoint one tensor (or one expert's rows) at a time through
+safetensors slices, assembles one ``transformers`` tensor, writes it and drops it, so it never holds more
+than about one tensor of the model (:func:`export_state`). It is written under a temporary name beside
+``OUT_DIR`` and renamed into place, as checkpoints are (rename(2)), so a failed export leaves nothing.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from shardwise.hf.config_map import hf_config
-from shardwise.hf.weights import to_hf
+from shardwise.hf.shards import (
+    INDEX_FILE,
+    dtype_of,
+    nbytes,
+    parse_size,
+    plan_shards,
+    shard_names,
+    write_index,
+    write_streamed,
+)
+from shardwise.hf.weights import assemble, hf_layout
+
+DEFAULT_SHARD_SIZE = "5GB"
+"""The Hub's (and ``save_pretrained``'s) default largest shard."""
+RUN_DTYPES = {"bf16": "bf16", "fp16": "fp16"}
+"""train.precision -> the default export dtype (fp32 otherwise)."""
 
 
-def export_run(run_dir: Path, out_dir: Path, checkpoint: Path | None = None) -> Path:
+def export_run(run_dir: Path, out_dir: Path, checkpoint: Path | None = None, dtype: str | None = None,
+               max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> Path:
     """Write the run's model (newest valid checkpoint, or ``checkpoint``) and tokenizer to ``out_dir``."""
+    from shardwise.config import Config
+    from shardwise.config_resolve import resolve
     from shardwise.data import tokenizer_from_run
-    from shardwise.generate_run import load_trained_model
+    from shardwise.train.checkpoint import latest_valid_checkpoint, verify_checkpoint
+    from shardwise.train.state import open_checkpoint
 
-    model, cfg = load_trained_model(Path(run_dir), checkpoint)
-    tokenizer = tokenizer_from_run(run_dir)
-    return export_model(model.state_dict(), cfg.model, tokenizer, Path(out_dir))
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.toml)")
+    cfg = resolve(Config.load(run_dir / "config.toml"))  # the saved layout; only the model section is used here
+    dtype = dtype or RUN_DTYPES.get(cfg.train.precision, "fp32")
+    dtype_of(dtype), parse_size(max_shard_size)  # bad input fails before anything is read
+    path = checkpoint or latest_valid_checkpoint(run_dir / "checkpoints")
+    if path is None:
+        raise FileNotFoundError(f"{run_dir} has no valid checkpoint under checkpoints/")
+    verify_checkpoint(path)
+    reader = open_checkpoint(path)
+    return export_state(reader.model_state(), cfg.model, tokenizer_from_run(run_dir), Path(out_dir), dtype,
+                        max_shard_size, release=getattr(reader, "close", None))
 
 
-def export_model(state: dict[str, torch.Tensor], m, tokenizer, out_dir: Path) -> Path:
+def export_model(state: Mapping[str, torch.Tensor], m, tokenizer, out_dir: Path, dtype: str = "fp32",
+                 max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> Path:
     """Atomically write ``state`` (our model state with fields ``m``) and ``tokenizer`` to ``out_dir``."""
+    return export_state(state, m, tokenizer, Path(out_dir), dtype, max_shard_size)
+
+
+def export_state(state: Mapping[str, torch.Tensor], m, tokenizer, out_dir: Path, dtype: str,
+                 max_shard_size: str | int, release=None) -> Path:
+    """Write our model state ``state`` (a dict, or a checkpoint's lazy state with ``read_slice``) as shards of at
+    most ``max_shard_size`` bytes in ``dtype``, one tensor in memory at a time; ``release()`` runs after each
+    tensor (a checkpoint reader closes its files)."""
+    from shardwise.model import Transformer
+
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"{out_dir} exists and is not an empty directory; choose a new OUT_DIR")
-    config = hf_config(m, eos_id=tokenizer.eos_id)
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in to_hf(state, m).items()}
+    torch_dtype, max_bytes = dtype_of(dtype), parse_size(max_shard_size)
+    config = hf_config(m, eos_id=tokenizer.eos_id, dtype=str(torch_dtype).removeprefix("torch."))
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Transformer(m).state_dict().items()}
+    layout = hf_layout(m, shapes)
+    sizes = {name: nbytes(t.shape, torch_dtype) for name, t in layout.items()}
+    shards = plan_shards(sizes, max_bytes)
+    files = shard_names(len(shards))
+
+    def ours(key: str, row: int | None) -> torch.Tensor:
+        if row is None:
+            return state[key]
+        if hasattr(state, "read_slice"):  # one expert's rows of a stacked tensor, read alone
+            inner = math.prod(shapes[key][1:])
+            return state.read_slice(key, row * inner, (row + 1) * inner).view(shapes[key][1:])
+        return state[key][row]
+
+    def produce(name: str) -> torch.Tensor:
+        t = assemble(layout[name], ours, torch_dtype)
+        if release is not None:
+            release()
+        return t
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".tmp-{out_dir.name}-"))
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for file, names in zip(files, shards, strict=True):
+            write_streamed(tmp / file, [(n, layout[n].shape, torch_dtype) for n in names], produce)
+        if len(files) > 1:
+            write_index(tmp / INDEX_FILE, {n: f for f, names in zip(files, shards, strict=True) for n in names},
+                        sum(sizes.values()))
         _write_json(tmp / "config.json", config)
         write_tokenizer(tokenizer, tmp)
         for path in tmp.iterdir():

@@ -14,10 +14,10 @@ import torch
 from safetensors import safe_open
 
 from shardwise.hf.config_map import HFError, model_fields, read_hf_config
-from shardwise.hf.weights import check_shapes, from_hf
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from shardwise.hf.lazy import HFFiles, LazyHFState
+from shardwise.hf.recipes import recipes
+from shardwise.hf.shards import INDEX_FILE, SINGLE_FILE
+from shardwise.hf.weights import check_shapes, normalize_name
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -35,15 +35,6 @@ def weight_files(directory: Path) -> list[Path]:
     found = "pytorch_model.bin" if (directory / "pytorch_model.bin").exists() else "none"
     raise HFError(f"{directory} holds no {SINGLE_FILE} or {INDEX_FILE} (found: {found}); pickled weights are not "
                   "read: convert them with transformers' save_pretrained(..., safe_serialization=True)")
-
-
-def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in weight_files(directory):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                tensors[key] = f.get_tensor(key)
-    return tensors
 
 
 def tensor_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
@@ -71,11 +62,18 @@ def check_model_fields(directory: Path, m) -> None:
             raise HFError(f"model.{key}={getattr(m, key)!r} but {directory}/config.json gives {value!r}")
 
 
-def load_hf_state(directory: Path, m, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Our model state (keys of ``Transformer(m).state_dict()``, ``dtype``) from a transformers directory whose
-    config.json has the fields ``m``; HFError naming the tensor and both shapes on a mismatch."""
+def lazy_hf_state(directory: Path, m, dtype: torch.dtype = torch.float32) -> LazyHFState:
+    """Our model state (keys of ``Transformer(m).state_dict()``, ``dtype``) of a transformers directory whose
+    config.json has the fields ``m``, read slice by slice on demand (:class:`~shardwise.hf.lazy.LazyHFState`);
+    HFError naming the tensor and both shapes on a mismatch (headers only)."""
     directory = Path(directory)
     check_model_fields(directory, m)
-    hf = read_hf_tensors(directory)
-    check_shapes({k: tuple(v.shape) for k, v in hf.items()}, m, str(directory))
-    return {k: v.to(dtype) for k, v in from_hf(hf, m).items()}
+    files = HFFiles(weight_files(directory), lambda name: normalize_name(name, m))
+    check_shapes(files.shapes, m, str(directory))
+    return LazyHFState(files, recipes(m, files.shapes.keys()), dtype)
+
+
+def load_hf_state(directory: Path, m, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """:func:`lazy_hf_state`, every tensor read (for tests and tools; a run reads its slices only)."""
+    state = lazy_hf_state(directory, m, dtype)
+    return {k: state[k] for k in state}

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.model.dropout import AttentionDropout, DropoutKey, Span, dropped_attention
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation with a learned gain (Zhang & Sennrich 2019, eq. 4).
@@ -128,6 +130,8 @@ class Attention(nn.Module):
         dropout: float = 0.0,
         rope: RotaryEmbedding | None = None,
         causal: bool = True,
+        layer: int = 0,
+        qk_norm_eps: float | None = None,
     ):
         super().__init__()
         if d_model % n_heads or n_heads % n_kv_heads:
@@ -142,30 +146,55 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
         self.rope = rope
         self.causal = causal
+        self.layer = layer
+        self.heads: Span | None = None
+        # QK-norm (Dehghani et al. 2023, §3.1; Qwen3): RMSNorm of every query and key head, one gain per head dim
+        self.q_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
-    def forward(self, x: torch.Tensor, cache=None, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, padding_mask: torch.Tensor | None = None,
+                dropout_key: DropoutKey | None = None) -> torch.Tensor:
         """``x [B, T, d_model]``; with ``cache`` (a :class:`~shardwise.model.kv_cache.LayerCache`, for
         incremental decoding) the new keys and values are appended to the cached ones and the queries
         attend under the cache's mask at the cache's positions. ``padding_mask [B, T]`` (True = a real
-        token; bidirectional attention only) keeps every query off the padded keys."""
+        token; bidirectional attention only) keeps every query off the padded keys. ``dropout_key``: the
+        draw of the probabilities' dropout masks (without one, torch's generator draws them)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, H_kv, T, hd]
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(q, k, None if cache is None else cache.positions)
         if cache is None:
-            y = self.core(q, k, v, None if padding_mask is None else padding_mask[:, None, None, :])
+            mask = None if padding_mask is None else padding_mask[:, None, None, :]
+            drop = self.dropout_of(dropout_key, q.shape[1], x.device)
+            y = self.core(q, k, v, mask) if drop is None else self.core(q, k, v, mask, drop)
         else:
             k, v = cache.append(k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=k.shape[1] != q.shape[1])
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def dropout_of(self, dropout_key: DropoutKey | None, n_heads: int, device) -> AttentionDropout | None:
+        """This call's probability dropout, or None (evaluation, no dropout, or no key: torch draws the masks)."""
+        if not self.training or not self.dropout or dropout_key is None:
+            return None
+        return AttentionDropout(self.dropout, dropout_key, self.layer, self.heads or Span.whole(n_heads, device))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+             drop: AttentionDropout | None = None) -> torch.Tensor:
         """The attention core on ``[B, H, T, hd]`` heads: causal (or, for an encoder, bidirectional)
         scores, softmax, dropout and the weighted sum of values (Vaswani et al. 2017, eq. 1) -- the part
         of a layer whose activations grow with T^2 in an eager implementation. ``mask``: keys each query may
-        attend to (bert's padding mask, ``[B, 1, 1, T]``)."""
+        attend to (bert's padding mask, ``[B, 1, 1, T]``); ``drop``: the probabilities' dropout, whose mask is
+        drawn for the ``T`` positions of the whole sequence (a core that sees part of it replaces this method)."""
+        if drop is not None:
+            t = q.shape[2]
+            positions = torch.arange(t, device=q.device)
+            causal = self.causal and mask is None
+            keep = drop.keep(q.shape[0], positions, positions, t, causal=causal)
+            return dropped_attention(q, k, v, keep, drop.p, causal=causal, mask=mask)
         return F.scaled_dot_product_attention(
             q,
             k,

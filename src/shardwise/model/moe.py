@@ -7,10 +7,9 @@ Transformers", eq. 1-2; Jiang et al. 2024, "Mixtral of Experts", §2.1). Experts
 MLP (GELU for gpt2, SwiGLU for llama); ``shared`` experts, which every token passes through, are one
 MLP of ``n_shared * d_ff`` width (Dai et al. 2024, "DeepSeekMoE", §3.2: shared experts concatenated).
 
-Routing, exactly (:func:`route`):
+Routing, exactly (:func:`assign`): the router (:mod:`shardwise.model.router`: ``softmax``, ``softmax_renorm``
+or ``sigmoid_bias``) gives each token its k experts in order of preference and their gates; then
 
-* router logits ``z = h W_r`` (fp32), probabilities ``p = softmax(z)``, the top-k experts of each
-  token and their *un-normalised* probabilities as gates (Switch eq. 2, generalised to k);
 * a token's k choices are *slots*; slots are ordered choice-major (every token's first choice,
   in token order, then every second choice, ...), so first choices have priority (GShard, Lepikhin
   et al. 2021, §2.2, Algorithm 1);
@@ -45,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.model.layers import GeluMLP, SwiGLU
+from shardwise.model.router import Router
 
 
 def capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int | None:
@@ -98,9 +98,10 @@ class Experts(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x, e)) * self.up_proj(x, e), e)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Tokens ``x`` sorted by expert, ``counts[e]`` of them for expert ``e``: the outputs in the same order."""
-        outs = [self.expert(e, chunk) for e, chunk in enumerate(x.split(counts)) if chunk.shape[0]]
-        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+        """Tokens ``x`` sorted by expert, ``counts[e]`` of them for expert ``e``: the outputs in the same order.
+        Every expert runs, on no tokens too, so every weight is in the graph whatever the routing: its
+        gradient (zero) and the hooks on it come in every backward."""
+        return torch.cat([self.expert(e, chunk) for e, chunk in enumerate(x.split(counts))])
 
 
 @dataclass
@@ -120,12 +121,19 @@ class Routing:
 
 
 def route(probs: torch.Tensor, top_k: int, capacity_factor: float) -> Routing:
-    """Top-k routing of ``probs [N, E]`` with capacity drops, exactly as the module docstring says."""
-    n, e = probs.shape
-    gates, experts = probs.topk(top_k, dim=-1)  # [N, k]
+    """Switch routing of ``probs [N, E]``: the top-k experts, gated by their probabilities (:func:`assign`)."""
+    gates, experts = probs.topk(top_k, dim=-1)
+    return assign(experts, gates, probs.shape[1], capacity_factor)
+
+
+def assign(experts: torch.Tensor, gates: torch.Tensor, n_experts: int, capacity_factor: float) -> Routing:
+    """The slots of each token's choices ``experts [N, k]`` (gates ``[N, k]``) with capacity drops, exactly as the
+    module docstring says."""
+    n, top_k = experts.shape
+    e = n_experts
     slot_expert = experts.t().reshape(-1)  # choice-major: slot j*N + t
     slot_gate = gates.t().reshape(-1)
-    slot_token = torch.arange(n, device=probs.device).repeat(top_k)
+    slot_token = torch.arange(n, device=experts.device).repeat(top_k)
     routed = torch.bincount(slot_expert, minlength=e)
     cap = capacity(n, top_k, e, capacity_factor)
     if cap is not None:
@@ -159,15 +167,22 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 class MoEStats:
-    """Per-step sums of what the router did (training forwards only), popped once per step."""
+    """Per-step sums of what the router did (training forwards only), popped once per step. Every field is a
+    sum, so the sums of several ranks' tokens (data-, context-parallel) add up to the global batch's."""
 
     def __init__(self, n_experts: int):
         self.n_experts = n_experts
         self.reset()
 
     def reset(self) -> None:
-        self.tokens = torch.zeros(self.n_experts, dtype=torch.float64, device="cpu")
-        self.slots = self.dropped = 0
+        e = self.n_experts
+        self.kept = torch.zeros(e, dtype=torch.float64, device="cpu")
+        """Slots each expert computed (after capacity drops)."""
+        self.routed = torch.zeros(e, dtype=torch.float64, device="cpu")
+        """Slots the router sent to each expert (before drops): the load, Switch's ``f_i`` times the slots."""
+        self.prob_sum = torch.zeros(e, dtype=torch.float64, device="cpu")
+        """Each expert's router probability summed over tokens: Switch's ``P_i`` times the tokens."""
+        self.tokens = self.dropped = 0
         self.aux: list[torch.Tensor] = []
         self.z: list[torch.Tensor] = []
 
@@ -175,16 +190,18 @@ class MoEStats:
     def calls(self) -> int:
         return len(self.aux)
 
-    def add(self, routing: Routing, aux: torch.Tensor, z: torch.Tensor) -> None:
-        self.tokens += routing.counts.detach().double().cpu()
-        self.slots += int(routing.routed.sum())
+    def add(self, routing: Routing, probs: torch.Tensor, aux: torch.Tensor, z: torch.Tensor) -> None:
+        self.kept += routing.counts.detach().double().cpu()
+        self.routed += routing.routed.detach().double().cpu()
+        self.prob_sum += probs.detach().double().sum(0).cpu()
+        self.tokens += probs.shape[0]
         self.dropped += routing.dropped
         self.aux.append(aux.detach())
         self.z.append(z.detach())
 
     def totals(self) -> tuple[float, float]:
         """The summed unweighted aux and z losses."""
-        return float(torch.stack(self.aux).sum()), float(torch.stack(self.z).sum())
+        return (float(torch.stack(self.aux).sum()), float(torch.stack(self.z).sum())) if self.aux else (0.0, 0.0)
 
 
 class MoE(nn.Module):
@@ -192,39 +209,48 @@ class MoE(nn.Module):
 
     ``forward(x [B, T, d]) -> [B, T, d]``. After a forward, ``self.aux_loss`` holds the weighted sum
     of the load-balancing and z losses of that forward (a scalar with a graph), and ``self.last``
-    the routing and the two unweighted losses, for the model to add and record.
+    the routing, the balance probabilities and the two unweighted losses, for the model to add and record.
+    ``layer_id``: the block's index in the model (it names the block's load in the metrics);
+    ``d_expert``: each routed expert's inner size (default ``d_ff``; the shared experts use ``d_ff``).
     """
 
     def __init__(self, d_model: int, d_ff: int, flavor: str, n_experts: int, top_k: int, *, n_shared: int = 0,
-                 capacity_factor: float = 0.0, aux_coeff: float = 0.0, z_coeff: float = 0.0):
+                 capacity_factor: float = 0.0, aux_coeff: float = 0.0, z_coeff: float = 0.0,
+                 router: str = "softmax", bias_rate: float = 0.0, layer_id: int = 0, d_expert: int | None = None):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"model.moe_top_k={top_k} must be in 1..model.n_experts={n_experts}")
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
-        self.aux_coeff, self.z_coeff = aux_coeff, z_coeff
-        self.router = nn.Linear(d_model, n_experts, bias=False)
-        self.experts = Experts(n_experts, d_model, d_ff, flavor)
+        self.aux_coeff, self.z_coeff, self.bias_rate, self.layer_id = aux_coeff, z_coeff, bias_rate, layer_id
+        self.router = Router(d_model, n_experts, router)
+        self.experts = Experts(n_experts, d_model, d_expert or d_ff, flavor)
         gpt2 = flavor == "gpt2"
         width = n_shared * d_ff
         self.shared = None if not n_shared else (GeluMLP(d_model, width) if gpt2 else SwiGLU(d_model, width))
         self.aux_loss: torch.Tensor | None = None
-        self.last: tuple[Routing, torch.Tensor, torch.Tensor] | None = None
+        self.last: tuple[Routing, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.stats = MoEStats(n_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         h = x.reshape(-1, shape[-1])
-        logits = self.router(h).float()
-        probs = logits.softmax(dim=-1)
-        routing = route(probs, self.top_k, self.capacity_factor)
+        logits = self.router(h)
+        experts, gates, probs = self.router.choose(logits, self.top_k)
+        routing = assign(experts, gates, self.n_experts, self.capacity_factor)
         y = self.experts(h[routing.token], routing.counts.tolist())
         out = combine(y, routing, h.shape[0]).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared(h)
-        aux, z = load_balancing_loss(probs, routing.routed), router_z_loss(logits)
+        aux, z = self.router_losses(probs, logits, routing.routed)
         self.aux_loss = self.aux_coeff * aux + self.z_coeff * z
-        self.last = (routing, aux, z)
+        self.last = (routing, probs, aux, z)
         return out.view(shape)
+
+    def router_losses(self, probs: torch.Tensor, logits: torch.Tensor, routed: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unweighted load-balancing and z losses over this forward's tokens. (Where one sequence's tokens
+        are spread over ranks, :mod:`shardwise.parallel.expert.sequence` replaces it on the instance.)"""
+        return load_balancing_loss(probs, routed), router_z_loss(logits)
 
     def record(self) -> None:
         """Add the last forward's routing to :attr:`stats` (the model calls it once per training forward)."""
@@ -246,32 +272,61 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
     return torch.stack(losses).sum() if losses else None
 
 
-def pop_moe_totals(model: nn.Module) -> torch.Tensor | None:
-    """This step's router sums over every MoE block of ``model`` as one fp64 vector (summable over ranks),
-    and reset: kept slots per (block, expert), then routed slots, dropped slots, the unweighted aux and z
-    losses summed over forwards, and the number of forwards. ``None`` without MoE blocks."""
+@dataclass
+class RouterTotals:
+    """One step's router sums over some MoE blocks (this rank's, or summed over ranks and joined over stages)."""
+
+    layers: list[int]
+    """The blocks' ``layer_id``, in order."""
+    counts: torch.Tensor
+    """``[L, 3, E]`` fp64: per block, the kept slots, the routed slots and the summed probability of each expert."""
+    tail: torch.Tensor
+    """``[6]`` fp64: tokens, routed slots, dropped slots, summed unweighted aux and z losses, forwards."""
+
+    def flat(self) -> torch.Tensor:
+        """Every sum in one vector (summable over ranks: :meth:`with_flat` puts the sum back)."""
+        return torch.cat([self.counts.reshape(-1), self.tail])
+
+    def with_flat(self, flat: torch.Tensor) -> RouterTotals:
+        n = self.counts.numel()
+        return RouterTotals(self.layers, flat[:n].view_as(self.counts), flat[n:])
+
+    @staticmethod
+    def join(parts: list[RouterTotals]) -> RouterTotals:
+        """Several pipeline stages' blocks as one model's: blocks concatenated, the tails added."""
+        return RouterTotals([i for p in parts for i in p.layers], torch.cat([p.counts for p in parts]),
+                            torch.stack([p.tail for p in parts]).sum(0))
+
+
+def pop_moe_totals(model: nn.Module) -> RouterTotals | None:
+    """This step's router sums over every MoE block of ``model`` (reset afterwards); ``None`` without MoE blocks."""
     layers = moe_layers(model)
     if not layers:
         return None
-    losses = [m.stats.totals() for m in layers if m.stats.calls]
-    aux, z = sum((a for a, _ in losses), 0.0), sum((b for _, b in losses), 0.0)
-    tail = [sum(m.stats.slots for m in layers), sum(m.stats.dropped for m in layers), aux, z,
-            sum(m.stats.calls for m in layers)]
-    out = torch.cat([torch.cat([m.stats.tokens for m in layers]), torch.tensor(tail, dtype=torch.float64)])
+    losses = [m.stats.totals() for m in layers]
+    counts = torch.stack([torch.stack([m.stats.kept, m.stats.routed, m.stats.prob_sum]) for m in layers])
+    tail = torch.tensor([sum(m.stats.tokens for m in layers), float(counts[:, 1].sum()),
+                         sum(m.stats.dropped for m in layers), sum(a for a, _ in losses), sum(z for _, z in losses),
+                         sum(m.stats.calls for m in layers)], dtype=torch.float64)
     for m in layers:
         m.stats.reset()
-    return out
+    return RouterTotals([m.layer_id for m in layers], counts, tail)
 
 
-def moe_metrics(totals: torch.Tensor) -> dict[str, float]:
-    """Metrics from :func:`pop_moe_totals` (possibly summed over data-parallel ranks): ``moe_aux_loss`` /
-    ``moe_z_loss`` (unweighted, mean over blocks and forwards), ``moe_tokens_per_expert_{min,max,mean}``
-    (kept slots per expert and block in the step) and ``moe_dropped_frac`` (dropped / routed slots)."""
-    tokens, (slots, dropped, aux, z, calls) = totals[:-5], totals[-5:].tolist()
+def moe_metrics(totals: RouterTotals) -> dict[str, float | list[int]]:
+    """Metrics from :func:`pop_moe_totals` (summed over data-parallel ranks): ``moe_aux_loss`` / ``moe_z_loss``
+    (unweighted, mean over blocks and forwards), ``moe_tokens_per_expert_{min,max,mean}`` (kept slots per expert
+    and block in the step), ``moe_dropped_frac`` (dropped / routed slots) and, per MoE block ``i``,
+    ``moe_load_layer{i}``: the slots the router sent to each expert in the step (a list, the expert load)."""
+    _tokens, slots, dropped, aux, z, calls = totals.tail.tolist()
     if not calls:
         return {}
-    return {
+    kept = totals.counts[:, 0]
+    out: dict[str, float | list[int]] = {
         "moe_aux_loss": aux / calls, "moe_z_loss": z / calls,
-        "moe_tokens_per_expert_min": float(tokens.min()), "moe_tokens_per_expert_max": float(tokens.max()),
-        "moe_tokens_per_expert_mean": float(tokens.mean()), "moe_dropped_frac": dropped / max(slots, 1.0),
+        "moe_tokens_per_expert_min": float(kept.min()), "moe_tokens_per_expert_max": float(kept.max()),
+        "moe_tokens_per_expert_mean": float(kept.mean()), "moe_dropped_frac": dropped / max(slots, 1.0),
     }
+    for layer, routed in zip(totals.layers, totals.counts[:, 1], strict=True):
+        out[f"moe_load_layer{layer}"] = [int(v) for v in routed.tolist()]
+    return out

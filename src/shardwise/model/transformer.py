@@ -4,7 +4,9 @@
   §2.3: pre-norm blocks with LayerNorm (with bias), GELU MLP, learned absolute position embeddings,
   a final LayerNorm, biases in every linear layer, output head tied to the token embedding.
 * ``flavor="llama"`` — Touvron et al. 2023, "LLaMA" §2.2: pre-norm blocks with RMSNorm, SwiGLU MLP,
-  rotary position embeddings, grouped-query attention (``n_kv_heads``), no biases, untied head.
+  rotary position embeddings, grouped-query attention (``n_kv_heads``), no biases, untied head; with
+  ``qk_norm`` an RMSNorm over each query and key head before the rotation (Qwen3; Dehghani et al. 2023,
+  "Scaling Vision Transformers to 22 Billion Parameters", §3.1).
 * ``flavor="bert"`` — Devlin et al. 2019, "BERT" §3 (the released code's layout): an encoder with
   bidirectional attention (padding masks), learned position and token-type embeddings summed and
   LayerNorm-ed, *post*-norm blocks (``norm(x + sublayer(x))``, Vaswani et al. 2017 §3.1) with the
@@ -35,8 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.model.dropout import Dropout, DropoutKey
 from shardwise.model.layers import Attention, GeluMLP, RMSNorm, RotaryEmbedding, SwiGLU
 from shardwise.model.moe import MoE, is_moe_layer, moe_aux_loss, moe_layers
+from shardwise.model.router import Router
 
 if TYPE_CHECKING:
     from shardwise.config import ModelConfig
@@ -61,7 +65,8 @@ class Block(nn.Module):
     bert post-norm, ``norm1(x + attn(x))`` then ``norm2(x + mlp(x))`` (Vaswani et al. 2017 §3.1).
 
     ``layer_id`` is the block's index in the full model; it names the block's parameters for
-    initialisation, so a process holding only some blocks initialises them identically.
+    initialisation and keys its dropout masks (:mod:`shardwise.model.dropout`), so a process holding only some
+    blocks initialises them identically and draws the same masks.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding | None = None):
@@ -70,24 +75,30 @@ class Block(nn.Module):
         self.layer_id = layer_id
         self.norm1 = _norm(cfg)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=gelu, dropout=cfg.dropout, rope=rope,
-                              causal=not self.post_norm)
+                              causal=not self.post_norm, layer=layer_id,
+                              qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None)
         self.norm2 = _norm(cfg)
         if is_moe_layer(layer_id, cfg.n_experts or 0, cfg.moe_every):
             self.mlp = MoE(cfg.d_model, cfg.d_ff, cfg.flavor, cfg.n_experts, cfg.moe_top_k, n_shared=cfg.moe_shared,
                            capacity_factor=cfg.moe_capacity_factor, aux_coeff=cfg.moe_aux_coeff,
-                           z_coeff=cfg.moe_z_coeff)
+                           z_coeff=cfg.moe_z_coeff, router=cfg.moe_router, bias_rate=cfg.moe_bias_rate,
+                           layer_id=layer_id, d_expert=cfg.moe_d_ff)
         else:
             self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, bias=True, approximate="none" if self.post_norm else "tanh") \
                 if gelu else SwiGLU(cfg.d_model, cfg.d_ff, bias=False)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop_attn = Dropout(cfg.dropout, "attn_out", layer_id)
+        self.drop_mlp = Dropout(cfg.dropout, "mlp_out", layer_id)
 
-    def forward(self, x: torch.Tensor, cache=None, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, padding_mask: torch.Tensor | None = None,
+                dropout_key: DropoutKey | None = None) -> torch.Tensor:
+        key = dropout_key
         if self.post_norm:
-            x = self.norm1(x + self.drop(self.attn(x, padding_mask=padding_mask)))
-            return self.norm2(x + self.drop(self.mlp(x)))
-        attn = self.attn(self.norm1(x)) if cache is None else self.attn(self.norm1(x), cache[self.layer_id])
-        x = x + self.drop(attn)
-        return x + self.drop(self.mlp(self.norm2(x)))
+            x = self.norm1(x + self.drop_attn(self.attn(x, padding_mask=padding_mask, dropout_key=key), key))
+            return self.norm2(x + self.drop_mlp(self.mlp(x), key))
+        attn = self.attn(self.norm1(x), dropout_key=key) if cache is None else self.attn(self.norm1(x),
+                                                                                            cache[self.layer_id])
+        x = x + self.drop_attn(attn, key)
+        return x + self.drop_mlp(self.mlp(self.norm2(x)), key)
 
 
 class Transformer(nn.Module):
@@ -124,7 +135,7 @@ class Transformer(nn.Module):
             self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if gpt2 else None
             head_dim = cfg.d_model // cfg.n_heads
             self.rope = None if gpt2 else RotaryEmbedding(head_dim, cfg.max_seq_len, cfg.rope_theta)
-            self.drop = nn.Dropout(cfg.dropout)
+            self.drop = Dropout(cfg.dropout, "embed")
             self.blocks = nn.ModuleList(Block(cfg, i, self.rope) for i in range(cfg.n_layers))
             if bert:  # token types, the embeddings' LayerNorm
                 self.type_emb = nn.Embedding(TOKEN_TYPES, cfg.d_model)
@@ -132,6 +143,7 @@ class Transformer(nn.Module):
             if self.classifies:  # the [CLS] pooler and classifier instead of the language-model head
                 self.pooler = nn.Linear(cfg.d_model, cfg.d_model)
                 self.classifier = nn.Linear(cfg.d_model, cfg.n_classes)
+                self.drop_classifier = Dropout(cfg.dropout, "classifier")  # on the pooled output, as BERT's
             else:
                 if bert:  # the masked-LM head's transform
                     self.mlm_dense = nn.Linear(cfg.d_model, cfg.d_model)
@@ -146,9 +158,10 @@ class Transformer(nn.Module):
     # ---- forward ----------------------------------------------------------------------------
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-              token_types: torch.Tensor | None = None) -> torch.Tensor:
+              token_types: torch.Tensor | None = None, dropout_key: DropoutKey | None = None) -> torch.Tensor:
         """Token (+ learned position, gpt2 and bert) embeddings of ``tokens [B, T]`` -> ``[B, T, d_model]``, at
-        positions ``0..T-1`` or ``positions [B, T]``; bert adds ``token_types [B, T]`` (default 0) and a LayerNorm."""
+        positions ``0..T-1`` or ``positions [B, T]``; bert adds ``token_types [B, T]`` (default 0) and a LayerNorm;
+        then dropout."""
         t = tokens.shape[1]
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
@@ -157,14 +170,15 @@ class Transformer(nn.Module):
             x = x + self.pos_emb(torch.arange(t, device=tokens.device) if positions is None else positions)
         if self.cfg.flavor == "bert":
             x = self.emb_norm(x + self.type_emb(torch.zeros_like(tokens) if token_types is None else token_types))
-        return self.drop(x)
+        return self.drop(x, dropout_key)
 
-    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+             dropout_key: DropoutKey | None = None) -> torch.Tensor:
         """Final norm and output projection; logits, or ``self.loss_fn(logits, targets)`` with ``targets``.
         (bert: the masked-LM transform ``norm_f(gelu(mlm_dense(x)))`` before the projection; classifying: the
         class logits ``classifier(tanh(pooler(x[:, 0])))`` and their mean cross-entropy against ``targets [B]``.)"""
         if self.classifies:
-            logits = self.classifier(torch.tanh(self.pooler(x[:, 0])))
+            logits = self.classifier(self.drop_classifier(torch.tanh(self.pooler(x[:, 0])), dropout_key))
             return logits if targets is None else F.cross_entropy(logits.float(), targets)
         if self.cfg.flavor == "bert":
             x = F.gelu(self.mlm_dense(x))
@@ -174,23 +188,25 @@ class Transformer(nn.Module):
         return self.loss_fn(logits, targets)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache=None,
-                padding_mask: torch.Tensor | None = None, token_types: torch.Tensor | None = None) -> torch.Tensor:
+                padding_mask: torch.Tensor | None = None, token_types: torch.Tensor | None = None,
+                dropout_key: DropoutKey | None = None) -> torch.Tensor:
         """Logits (or the loss with ``targets``). With ``cache`` (a :class:`~shardwise.model.kv_cache.KVCache`)
         ``tokens`` are the next tokens after those the cache holds, at the cache's positions. bert only:
-        ``padding_mask [B, T]`` (True = a real token) and ``token_types [B, T]``."""
+        ``padding_mask [B, T]`` (True = a real token) and ``token_types [B, T]``. ``dropout_key``: the draw of
+        the dropout masks in training (:mod:`shardwise.model.dropout`; without one, torch's generator draws them)."""
         if (padding_mask is not None or token_types is not None) and self.cfg.flavor != "bert":
             raise ValueError("padding_mask and token_types are for the bidirectional bert flavour")
         if self.classifies and padding_mask is None:
             padding_mask = tokens != bert_special_ids(self.cfg.vocab_size)[0]
-        x = self.embed(tokens, None if cache is None else cache.positions, token_types)
+        x = self.embed(tokens, None if cache is None else cache.positions, token_types, dropout_key)
         for block in self.blocks:
-            if padding_mask is not None:
-                x = block(x, padding_mask=padding_mask)
+            if padding_mask is not None or (dropout_key is not None and cache is None):
+                x = block(x, padding_mask=padding_mask, dropout_key=dropout_key)
             else:
                 x = block(x) if cache is None else block(x, cache)
         if cache is not None:
             cache.advance()
-        out = self.head(x, targets)
+        out = self.head(x, targets, dropout_key)
         if targets is not None and self.training and self.cfg.n_experts:
             for moe in moe_layers(self):
                 moe.record()
@@ -242,7 +258,7 @@ class Transformer(nn.Module):
         See :func:`initial_value`."""
         self.tie_weights()
         for module in self.modules():
-            if isinstance(module, RotaryEmbedding):
+            if isinstance(module, (RotaryEmbedding, Router)):
                 module.reset_parameters()
         for name, p in self.named_parameters_for_init():
             if p.is_meta:

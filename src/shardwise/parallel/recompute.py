@@ -8,8 +8,9 @@
   sequence length while its FLOPs are a small part of the layer's; everything else is kept.
 
 Either way a ``forward`` is replaced on the instance (so parameter names and state dicts are
-unchanged) by one that runs through ``torch.utils.checkpoint.checkpoint`` (non-reentrant; the RNG
-state is restored for the recomputation so dropout masks match).
+unchanged) by one that runs through ``torch.utils.checkpoint.checkpoint`` (non-reentrant). The
+recomputation gets the same arguments, the dropout key among them, so it redraws the same dropout masks
+(:mod:`shardwise.model.dropout`; without a key torch's RNG state is restored for the same effect).
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ pairwise exchanges (all blocks posted at once), timed as such.
 Volumes per technique (per rank and step, ``payload`` = bytes handed to the collective, the
 trainer's ``comm_bytes``): data parallel all-reduces the gradients once per step; ZeRO-1/2
 reduce-scatter gradients and all-gather weights (same volume, ZeRO §7.2); ZeRO-3 all-gathers the
-weights in forward and backward and reduce-scatters gradients every micro-batch (1.5×, §7.2.2);
+weights in forward and backward and reduce-scatters gradients every micro-batch (1.5×, §7.2.2); inside a
+pipeline it gathers each stage's weights once per step and keeps them to the flush, after which it
+reduce-scatters the accumulated gradients once (1×, as ZeRO-1/2; what torchtitan's FSDP does in a pipeline);
 tensor parallel all-reduces b·s·h activations twice in forward and twice in backward per layer
 (Shoeybi et al. 2019 §3), or all-gathers and reduce-scatters them with sequence parallelism
 (Korthikanti et al. 2022 §4.2.2, same volume); pipeline stages send b·s·h activations forward
@@ -203,6 +205,13 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
             add(f"ZeRO-{lay.zero} grads", "reduce-scatter", group, psi * b["grads"], 1, stride, "backward",
                 zero_algorithm)
             add(f"ZeRO-{lay.zero} weights", "all-gather", group, psi * b["params"], 1, stride, "none", zero_algorithm)
+        elif lay.pp > 1:  # a stage's units stay gathered from the first forward to the flush: once a step
+            n_units = len(units.numels) if units is not None and kind == "dense" else 0
+            psi = units.psi_padded if units is not None and kind == "dense" else psi
+            add("ZeRO-3 weights (kept over the step)", "all-gather", group, psi * b["params"], 1, stride, "compute",
+                zero_algorithm, n_units)
+            add("ZeRO-3 grads (after the flush)", "reduce-scatter", group, psi * b["grads"], 1, stride, "none",
+                zero_algorithm, n_units)
         elif units is not None and kind == "dense":
             root = sum(units.padded_numels[:units.root_units])
             n_units, blocks = len(units.numels), len(units.numels) - units.root_units  # one collective per unit
@@ -268,14 +277,18 @@ def pipeline_sent_bytes(m: ModelSpec, lay: Layout, s: int, act_bytes: int = FP32
     Rank 0 holds stages c·p for chunks c = 0..v−1 (Narayanan et al. 2021 §2.2.2). Per micro-batch
     each of them that is not the last stage sends its output activation forward (all v when p > 1),
     and each that is not stage 0 sends its input's gradient back (v − 1): (2v − 1)·m messages of
-    [micro_batch, s, d_model]. They travel in **fp32** (``act_bytes``) whatever ``train.precision``
-    is: the trainer's residual stream stays fp32 under ``torch.autocast``, and the executor sends in
-    its ``act_dtype`` (fp32). With tied embeddings (GPT-2 flavour) stage 0 and the last stage add
-    their copies' gradients once per step (Press & Wolf 2017; the tied copies of Megatron-LM,
-    Narayanan et al. 2021 §3): rank 0 sends vocab·d_model gradient elements (``grad_bytes``)."""
+    [micro_batch, s / cp, d_model] -- [micro_batch, s / (cp·tp), d_model] with sequence parallelism, whose
+    residual stream between blocks is split along the sequence (Korthikanti et al. 2022 §4.2.2). They
+    travel in **fp32** (``act_bytes``) whatever ``train.precision`` is: the trainer's residual stream
+    stays fp32 under ``torch.autocast``, and the executor sends in its ``act_dtype`` (fp32). With tied
+    embeddings (GPT-2 flavour) stage 0 and the last stage add their copies' gradients once per step (Press &
+    Wolf 2017; the tied copies of Megatron-LM, Narayanan et al. 2021 §3): rank 0 sends its vocabulary rows'
+    gradient, ceil(vocab / tp)·d_model elements (``grad_bytes``; the table is split over the tensor-parallel
+    ranks, padded to equal pieces)."""
     p, v, mb = lay.pp, lay.pp_virtual, lay.grad_accum
     if p <= 1:
         return 0.0
-    message = lay.micro_batch * (s // lay.cp) * m.d_model * act_bytes
-    tied = m.vocab_size * m.d_model * grad_bytes if m.tie_embeddings else 0
+    tokens = s // lay.cp // (lay.tp if lay.sequence_parallel else 1)  # sequence parallel: this rank's 1/tp
+    message = lay.micro_batch * tokens * m.d_model * act_bytes
+    tied = -(-m.vocab_size // lay.tp) * m.d_model * grad_bytes if m.tie_embeddings else 0  # this rank's vocab rows
     return float((2 * v - 1) * mb * message + tied)

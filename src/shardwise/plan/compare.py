@@ -20,6 +20,7 @@ from shardwise.plan.context import cp_sent_bytes, ring_activation_bytes
 from shardwise.plan.flops import flops_per_token
 from shardwise.plan.hardware import BUILTIN_GPUS, Cluster
 from shardwise.plan.memory import (
+    FLUSH_METRICS,
     MEMORY_METRICS,
     MODEL_STATE_METRICS,
     STATE_CONVENTIONS,
@@ -58,12 +59,13 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     states = STATE_CONVENTIONS["shardwise"]
     act_bytes = 4 if t.precision == "fp32" else 2
     mode = activation_mode(t.precision, states)
-    mem = memory_breakdown(m, lay, s, states, attention="flash", act_mode=mode, bucket_mb=p.bucket_mb,
-                           zero_unit=p.zero_unit, zero_hpz=p.zero_hpz)
-    cluster = Cluster(BUILTIN_GPUS["H100"], gpus_per_node=world)  # placement only; times are not compared
-    units = exact_zero_units(m, lay, p.bucket_mb, p.zero_unit, zero_hpz=p.zero_hpz)
-    # DataParallel's buckets carry one "had a gradient" flag per parameter tensor of the rank's part
     blocks = _rank0_blocks(cfg)
+    first_rank = blocks if p.pp > 1 else None  # a pipeline's ZeRO units are rank 0's stages'
+    mem = memory_breakdown(m, lay, s, states, attention="flash", act_mode=mode, bucket_mb=p.bucket_mb,
+                           zero_unit=p.zero_unit, zero_hpz=p.zero_hpz, first_rank_blocks=first_rank)
+    cluster = Cluster(BUILTIN_GPUS["H100"], gpus_per_node=world)  # placement only; times are not compared
+    units = exact_zero_units(m, lay, p.bucket_mb, p.zero_unit, zero_hpz=p.zero_hpz, first_rank_blocks=first_rank)
+    # DataParallel's buckets carry one "had a gradient" flag per parameter tensor of the rank's part
     first_stage = ("tok_emb", "pos_emb")  # with pp > 1 rank 0 holds the first stage, never the head
     tensors = sum(1 for e in model_params(m) if e.block in blocks or (e.block is None and (
         p.pp == 1 or e.name.split(".")[0] in first_stage))) if dp * p.cp > 1 else 0
@@ -177,6 +179,7 @@ def compare_run(run_dir: Path, as_json: bool = False) -> int:
     if cfg.parallel.ep > 1:
         rows.insert(2, ("ep_sent_bytes", pred["ep_sent_bytes"], meas.get("ep_sent_bytes")))
     rows += [(k, pred[k], meas.get(k)) for k in (*MEMORY_METRICS, "mem_total_bytes")]
+    rows += [(k, pred.get(k), meas.get(k)) for k in FLUSH_METRICS if k in pred or k in meas]
     rows += [(k, None, meas.get(k)) for k in ("tokens_per_s", "step_time_s", "mfu")]
     rows += [("parameters", pred["parameters"], None), ("flops_per_token", pred["flops_per_token"], None)]
     rows += [(k, v, None) for k, v in derived.items()]

@@ -79,18 +79,21 @@ def count_params(m: ModelSpec) -> ParamCount:
         embedding=m.vocab_size * m.d_model,
         position=m.max_seq_len * m.d_model if m.flavor in ("gpt2", "bert") else 0,
         attention=layers * attention_params(m),
-        mlp=dense + moe * (m.n_experts * mlp_params(m) + shared),
+        mlp=dense + moe * (m.n_experts * mlp_params(m, m.expert_d_ff) + shared),
         router=moe * m.d_model * m.n_experts,
-        norms=(2 * layers + 1) * norm_params(m),
+        norms=(2 * layers + 1) * norm_params(m) + (2 * layers * m.head_dim if m.qk_norm else 0),
         head=0 if m.tie_embeddings else m.vocab_size * m.d_model,
-        mlp_active=dense + moe * (min(m.moe_top_k, m.n_experts) * mlp_params(m) + shared),
+        mlp_active=dense + moe * (min(m.moe_top_k, m.n_experts) * mlp_params(m, m.expert_d_ff) + shared),
     )
 
 
 def block_params(m: ModelSpec) -> int:
-    """Parameters of one transformer block (attention, MLP or experts with router, two norms)."""
-    experts = max(1, m.n_experts)
-    return attention_params(m) + experts * mlp_params(m) + m.d_model * m.n_experts + 2 * norm_params(m)
+    """Parameters of one (MoE, where the model has experts) transformer block: attention, MLP or experts with
+    router and shared experts, two norms, QK-norm gains."""
+    mlps = m.n_experts * mlp_params(m, m.expert_d_ff) if m.n_experts else mlp_params(m)
+    shared = mlp_params(m, m.moe_shared * m.d_ff) if m.n_experts and m.moe_shared else 0
+    qk = 2 * m.head_dim if m.qk_norm else 0
+    return attention_params(m) + mlps + shared + m.d_model * m.n_experts + 2 * norm_params(m) + qk
 
 
 def closed_form_params(n_layers: int, d_model: int, vocab_size: int, seq_len: int) -> int:

@@ -44,6 +44,14 @@ class ModelSpec:
     communication models assume every block is MoE."""
     moe_shared: int = 0
     """Shared experts (one MLP of moe_shared * d_ff) in each MoE block; counted as always active."""
+    moe_d_ff: int | None = None
+    """Each routed expert's inner size (default d_ff)."""
+    qk_norm: bool = False
+    """llama: an RMSNorm gain of head_dim per query and key (two per block)."""
+
+    @property
+    def expert_d_ff(self) -> int:
+        return self.moe_d_ff or self.d_ff
 
     @property
     def head_dim(self) -> int:
@@ -122,7 +130,7 @@ def model_spec(cfg: Config, n_experts: int | None = None, moe_top_k: int | None 
         flavor=m.flavor, n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
         d_ff=m.d_ff, vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, tie_embeddings=bool(m.tie_embeddings),
         dropout=m.dropout, n_experts=n_experts, moe_top_k=moe_top_k, moe_every=m.moe_every,
-        moe_shared=m.moe_shared,
+        moe_shared=m.moe_shared, moe_d_ff=m.moe_d_ff, qk_norm=m.qk_norm,
     )
 
 
@@ -158,5 +166,6 @@ def model_config_of(spec: ModelSpec) -> ModelConfig:
         preset="custom", flavor=spec.flavor, n_layers=spec.n_layers, d_model=spec.d_model, n_heads=spec.n_heads,
         n_kv_heads=spec.n_kv_heads, d_ff=spec.d_ff, vocab_size=spec.vocab_size, max_seq_len=spec.max_seq_len,
         tie_embeddings=spec.tie_embeddings, dropout=spec.dropout, n_experts=spec.n_experts,
-        moe_top_k=spec.moe_top_k, moe_every=spec.moe_every, moe_shared=spec.moe_shared,
+        moe_top_k=spec.moe_top_k, moe_every=spec.moe_every, moe_shared=spec.moe_shared, moe_d_ff=spec.moe_d_ff,
+        qk_norm=spec.qk_norm,
     )

@@ -13,6 +13,8 @@ trainer's are its own code, and ``tests/test_plan_measured.py`` holds the two ag
 * ZeRO-3: FSDP's wrapping of a transformer (Zhao et al. 2023, "PyTorch FSDP", §3.2.1: one unit per
   ``parallel.zero_unit`` transformer blocks), plus a root unit holding every other parameter
   (embeddings, final norm, untied head).
+* inside a pipeline, the same over what pipeline rank 0 holds (:func:`first_rank_params`: its stages'
+  embedding side and blocks, registered in that order); ZeRO-3's units restart at each of its chunks.
 
 With ZeRO++ hierarchical partitioning (hpZ, ``parallel.zero_hpz = h``; Wang et al. 2023, "ZeRO++",
 §3.2) a ZeRO-3 rank also keeps, from each unit's forward gather to its backward gather, a *secondary
@@ -60,14 +62,41 @@ def bucket_numels(numels: list[int], bucket_mb: float, elem_bytes: int = MODULE_
     return buckets
 
 
+def chunk_runs(blocks: list[int]) -> list[list[int]]:
+    """The runs of consecutive block indices: a pipeline rank's chunks (its stages c·p + rank hold blocks
+    that are never adjacent when p > 1), or the whole model's one run."""
+    runs: list[list[int]] = []
+    for b in sorted(set(blocks)):
+        if runs and runs[-1][-1] == b - 1:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    return runs
+
+
 def stage3_numels(params: list[ParamEntry], zero_unit: int) -> list[list[int]]:
-    """ZeRO-3 units: the root (every parameter outside the blocks) first, then ``zero_unit`` blocks each."""
-    n_blocks = 1 + max((p.block for p in params if p.block is not None), default=-1)
+    """ZeRO-3 units: the root (every parameter outside the blocks) first, if there is any, then ``zero_unit``
+    blocks each, counted from the first block of each chunk (a unit never spans two chunks)."""
     root = [p.numel for p in params if p.block is None]
-    units = [root]
-    for first in range(0, n_blocks, zero_unit):
-        units.append([p.numel for p in params if p.block is not None and first <= p.block < first + zero_unit])
+    units = [root] if root else []
+    for run in chunk_runs([p.block for p in params if p.block is not None]):
+        for i in range(0, len(run), zero_unit):
+            group = set(run[i:i + zero_unit])
+            units.append([p.numel for p in params if p.block in group])
     return units
+
+
+EMBEDDING_SIDE = ("tok_emb", "pos_emb", "type_emb", "emb_norm")
+"""What the first pipeline stage holds besides its blocks (GPipe, Huang et al. 2019 §2.1: the embedding
+starts the first cell)."""
+
+
+def first_rank_params(params: list[ParamEntry], blocks: set[int]) -> list[ParamEntry]:
+    """The parameters pipeline rank 0 holds (``blocks``: those of its stages c·p), in the order its stages
+    register them: the embedding side first, then the blocks. Its stages are never the last (p > 1), so it
+    holds no head."""
+    return ([e for e in params if e.block is None and e.name.split(".")[0] in EMBEDDING_SIDE]
+            + [e for e in params if e.block in blocks])
 
 
 @dataclass(frozen=True)
@@ -78,7 +107,8 @@ class ZeroUnits:
     world: int
     numels: tuple[int, ...]
     root_units: int = 0
-    """Leading units gathered once per micro-batch in ZeRO-3 (the root); the others twice."""
+    """Leading units gathered once per micro-batch in ZeRO-3 (the root: 1, or 0 on a pipeline rank without
+    one); the others twice."""
     n_tensors: int = 0
     """Parameter tensors in all units: the engine all-reduces one uint8 "had a gradient" flag per
     tensor each step (``ZeroDataParallel._agree_on_grads``)."""
@@ -142,7 +172,8 @@ def zero_units(params: list[ParamEntry], stage: int, world: int, bucket_mb: floa
         groups = stage3_numels(params, zero_unit)
     else:
         groups = bucket_numels([p.numel for p in params], bucket_mb)
-    return ZeroUnits(stage, world, tuple(sum(g) for g in groups), root_units=1 if stage == 3 else 0,
+    has_root = any(p.block is None for p in params)
+    return ZeroUnits(stage, world, tuple(sum(g) for g in groups), root_units=1 if stage == 3 and has_root else 0,
                      n_tensors=sum(len(g) for g in groups), hpz=hpz)
 
 

@@ -39,6 +39,9 @@ def check_run(cfg: Config) -> None:
     positive("ckpt.every", cfg.ckpt.every, allow_zero=True)
     positive("ckpt.keep", cfg.ckpt.keep)
     positive("run.max_restarts", r.max_restarts, allow_zero=True)
+    if cfg.ckpt.async_ and cfg.ps.servers:
+        raise ConfigError(f"ckpt.async=true with ps.servers={cfg.ps.servers}: the parameter server's checkpoints "
+                          "are written synchronously (not composed yet); use ckpt.async=false")
     faults = parse_faults(r.fault, cfg.parallel.nproc * cfg.parallel.nnodes, cfg.train.steps)
     if len(faults) > r.max_restarts + 1:
         raise ConfigError(f"run.fault={r.fault!r} injects {len(faults)} failures, one per attempt, but "

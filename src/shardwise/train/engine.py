@@ -5,7 +5,9 @@ the layout in one fixed order (DESIGN.md, "How layouts compose"; torchtitan's ``
 
 1. **model parts**: the pipeline cuts first -- with ``parallel.pp > 1`` this rank builds only its stages
    (``v`` chunks for the interleaved schedule, chunk ``c`` being global stage ``c * p + r``); with pp = 1
-   its one part is the whole model (on the meta device for ZeRO-3, which materialises only its slices).
+   its one part is the whole model (on the meta device for ZeRO-3, which materialises only its slices; with
+   tensor or expert parallelism every part is built on the meta device and its pieces allocated once cut,
+   :mod:`~shardwise.parallel.materialize`).
    Every part is initialised from ``(seed, name, shape)`` alone, so it equals that part of the
    single-process model;
 2. **parallelize** each part (:func:`~shardwise.parallel.parallelize.parallelize`): tensor / sequence
@@ -39,14 +41,16 @@ from shardwise.model import Transformer
 from shardwise.model.transformer import initial_value
 from shardwise.parallel.context import pop_attention_work
 from shardwise.parallel.data import DataParallel
+from shardwise.parallel.dropout import replica_key
 from shardwise.parallel.expert import state as expert_state
-from shardwise.parallel.expert.dispatch import step_metrics as moe_step_metrics
+from shardwise.parallel.expert.router_step import router_step
 from shardwise.parallel.grad_norm import clip_grad_norm
+from shardwise.parallel.materialize import materialize_parameters, reset_buffers
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import Pipeline, build_stage
 from shardwise.parallel.pipeline.checks import pipeline_partition
 from shardwise.parallel.pipeline.clip import tied_copies_elsewhere
-from shardwise.parallel.pipeline.partition import partition
+from shardwise.parallel.pipeline.partition import StageChunks, partition
 from shardwise.parallel.tensor import state as tp_state
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces
@@ -113,8 +117,11 @@ class Engine:
         self.parts = self._build_parts()
         for part in self.parts:
             parallelize(part, mesh, cfg, self.ledger)
-        self.module = self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
-        """What the data-parallel wrapper holds: the one part, or this rank's interleaved chunks."""
+            if self._cut_on_meta:  # tp / ep cut a meta part: now allocate only this rank's pieces
+                materialize_parameters(part, cfg.model, cfg.train.seed, device)
+        self.module = self.parts[0] if len(self.parts) == 1 else StageChunks(self.parts)
+        """What the data-parallel wrapper holds: the one part, or this rank's interleaved chunks (under their
+        single-process names)."""
         # 3. data parallel (plain or ZeRO) over the gradient-reduction group, and the optimizer
         self.zero = p.zero > 0
         self.wrapper = self._wrap(run_dir)
@@ -130,15 +137,23 @@ class Engine:
 
     def _build_parts(self) -> list[nn.Module]:
         cfg, p = self.cfg, self.cfg.parallel
+        self._cut_on_meta = self.tp_group is not None or self.ep_group is not None
+        """Tensor / expert parallelism cut the part on the meta device; its pieces are allocated afterwards
+        (:mod:`shardwise.parallel.materialize`), so no rank ever holds its whole stage."""
         if p.pp > 1:
             method, boundaries = pipeline_partition(p.pp_partition)
             self.split = partition(cfg.model, p.pp * p.pp_virtual, method, boundaries, seq_len=cfg.data.seq_len)
             rank = self.mesh.rank("pp")
             stages = [c * p.pp + rank for c in range(p.pp_virtual)]
-            return [build_stage(cfg.model, s, p.pp * p.pp_virtual, self.split[s], cfg.train.seed, self.device)
-                    for s in stages]
-        if p.zero == 3 and self.tp_group is None and self.ep_group is None:
-            # ZeRO-3 materialises only its slices (tp and ep slice real weights)
+            device = torch.device("meta") if self._cut_on_meta else self.device
+            parts = [build_stage(cfg.model, s, p.pp * p.pp_virtual, self.split[s], cfg.train.seed, device)
+                     for s in stages]
+            for part in parts if self._cut_on_meta else []:
+                materialize_buffers(part, self.device)
+                reset_buffers(part)
+            return parts
+        if self._cut_on_meta or p.zero == 3:
+            # ZeRO-3 materialises only its slices, tp and ep only their pieces (after parallelize)
             with torch.device("meta"):
                 module = Transformer(cfg.model)
             materialize_buffers(module, self.device)
@@ -174,6 +189,7 @@ class Engine:
                                 offload_dir=p.offload_dir or str(run_dir / "offload"),
                                 quant_weights=p.zero_quant_weights, quant_grads=p.zero_quant_grads,
                                 hpz_size=p.zero_hpz, comm_stats=self.ledger["dp"],
+                                hpz_group=self.mesh.subgroup("dp_cp", p.zero_hpz) if p.zero_hpz > 1 else None,
                                 param_init=self._param_init(), device=self.device, expert_group=expert_group)
 
     def _schedule(self):
@@ -182,7 +198,8 @@ class Engine:
             return OneStage(self.wrapper, precision, device)
         pipe = Pipeline(self.parts, self.mesh.ranks("pp"), p.pp_schedule, p.microbatches, self.cfg.model.d_model,
                         device=device, forward_context=lambda: autocast_context(precision, device.type),
-                        comm_stats=self.ledger["pp"])
+                        comm_stats=self.ledger["pp"], seq_shards=p.tp if p.sequence_parallel else 1,
+                        tokens_to_every_stage=self.cfg.train.objective == "classify")
         return PipelineSchedule(pipe, self.wrapper, self.mesh.group("pp"), self.mesh.ranks("pp"), p.pp_schedule,
                                 device)
 
@@ -203,9 +220,15 @@ class Engine:
     # ---- the step ---------------------------------------------------------------------------------
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str,
-                         scaler: DynamicLossScaler | None) -> torch.Tensor:
-        """The mean loss of this replica's micro-batches; gradients averaged over the group when it returns."""
-        return self.schedule.run(batches, scaler)
+                         scaler: DynamicLossScaler | None, step: int = 0) -> torch.Tensor:
+        """The mean loss of this replica's micro-batches of optimizer step ``step``; gradients averaged over the
+        group when it returns. With dropout the schedule hands every forward the key of its micro-batch's place
+        in the step's global batch, so every layout draws the masks one process draws."""
+        key = None
+        if self.cfg.model.dropout:
+            key = replica_key(self.cfg.train.seed, step, self.mesh.dp_rank, self.cfg.train.global_batch,
+                              self.mesh.dp_size)
+        return self.schedule.run(batches, scaler, key)
 
     def unscale_and_clip(self, scaler: DynamicLossScaler | None, max_norm: float) -> tuple[bool, float]:
         """fp16: unscale the gradients this rank holds, every rank agreeing on an overflow; then the global
@@ -236,12 +259,16 @@ class Engine:
 
     def step_metrics(self) -> dict[str, float]:
         """The schedule's (a pipeline's bubble), and where those techniques are on, the context-parallel
-        attention work and the experts' load (each a small collective; not looked for when off)."""
+        attention work and the experts' load (each a small collective; not looked for when off). With MoE
+        blocks it also ends the routers' step: their load summed over the global batch moves the
+        ``sigmoid_bias`` routers' balancing biases (:func:`~shardwise.parallel.expert.router_step.router_step`);
+        the loop calls it once after every optimizer step."""
         out = self.schedule.step_metrics()
         if self.mesh.size("cp") > 1:
             out.update(pop_attention_work(self.module))
         if self.cfg.model.n_experts:
-            out.update(moe_step_metrics(self.module, self.group, self.pp_group))
+            sp = self.tp_group if self.cfg.parallel.sequence_parallel else None
+            out.update(router_step(self.module, self.group, self.pp_group, seq_group=sp))
         return out
 
     def write_timeline(self, run_dir: Path, step: int) -> None:

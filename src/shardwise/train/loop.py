@@ -22,9 +22,11 @@ from shardwise.data.objectives import objective_windows
 from shardwise.dist.mesh import ParallelDims, init_distributed
 from shardwise.model import Transformer
 from shardwise.parallel.context import shard_windows
+from shardwise.parallel.expert.router_step import CollapseWatch
 from shardwise.train import memory as train_memory
 from shardwise.train import state as train_state
 from shardwise.train.checkpoint import CheckpointError, latest_valid_checkpoint
+from shardwise.train.ckpt_writer import CheckpointWriter
 from shardwise.train.engine import Engine
 from shardwise.train.faults import FaultPlan
 from shardwise.train.flops import peak_flops, training_flops_per_token
@@ -33,7 +35,6 @@ from shardwise.train.optim import lr_at, set_lr
 from shardwise.train.precision import DynamicLossScaler
 from shardwise.train.recovery import clean_partial_checkpoints, note_restart, resume_wanted
 from shardwise.train.result import TrainResult
-from shardwise.train.sharded import save_sharded
 
 
 def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: int | None = None) -> TrainResult:
@@ -77,6 +78,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     log = MetricsLogger(run_dir, enabled=rank == 0, total_steps=tcfg.steps,
                         tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
     ckpt_root = run_dir / "checkpoints"
+    writer = CheckpointWriter(ckpt_root, cfg.ckpt.keep, cfg.ckpt.async_, cfg.parallel.timeout_s)
     faults = FaultPlan(cfg.run.fault, rank)  # test-only injected failures (train/faults.py)
     if rank == 0:
         clean_partial_checkpoints(ckpt_root, log.log_event)
@@ -130,14 +132,16 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
                       f"train.global_batch = {wanted}: val_loss is over the first {used}, a set that depends on "
                       "the data-parallel size (raise data.val_fraction to compare layouts)")
     done = start_step
+    collapse = CollapseWatch(cfg.model.n_experts or 0, cfg.model.moe_top_k)  # MoE: warns of a router collapse
     for step in range(start_step, tcfg.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, tcfg)
         set_lr(optimizer, lr)
         batches = [tuple(t.to(device) for t in train_windows.batch(ids))
                    for ids in sampler.micro_batches(step, tcfg.micro_batch)]
-        replica_loss = engine.forward_backward(batches, tcfg.precision, scaler)
+        replica_loss = engine.forward_backward(batches, tcfg.precision, scaler, step)
         found_inf, grad_norm = engine.unscale_and_clip(scaler, tcfg.grad_clip)
+        ckpt_wait = writer.before_update()  # a background checkpoint copies the weights before they change
         if not found_inf:
             optimizer.step()
         if scaler:
@@ -165,6 +169,10 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         }
         if scaler:
             metrics.update(loss_scale=scaler.scale, skipped_steps=float(scaler.skipped_steps))
+        for _, write_s in writer.finished():  # a background checkpoint write that ended during this step
+            metrics["ckpt_write_s"] = write_s
+        if ckpt_wait is not None:
+            metrics["ckpt_wait_s"] = ckpt_wait
         if done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
             val_loss = evaluate(engine, val_windows, tcfg, dp_rank, dp_size, loss_group, device)
             if val_loss is not None:
@@ -181,13 +189,21 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
             title = f"model-state bytes per rank ({engine.describe()})"
             log.log_event(train_memory.format_table(per_rank, title=title))
         log.log(done, metrics)
+        if cfg.model.n_experts and (note := collapse.check(done, metrics)):
+            log.log_event(note)
         if not math.isfinite(step_loss) and scaler is None:
             raise FloatingPointError(f"loss became {step_loss} at step {done}; lower train.lr or use train.grad_clip")
         faults.after_step(done)
         if done == tcfg.steps or (cfg.ckpt.every and done % cfg.ckpt.every == 0):
-            _save(cfg, ckpt_root, done, engine, scaler, sampler, rank, faults.during_save(done))
+            record = {"ckpt_stall_s": _save(cfg, writer, done, engine, scaler, sampler, rank, faults.during_save(done))}
+            for _, write_s in writer.finished():  # a synchronous write ends before training goes on
+                record["ckpt_write_s"] = write_s
+            log.log(done, record)
         if stop_after is not None and done >= stop_after:
             break
+    writer.wait()  # the last checkpoint is complete before the run ends
+    for step, write_s in writer.finished():
+        log.log(step, {"ckpt_write_s": write_s})
     log.close()
     full = engine.final_state_dict() if collect_state else {}
     state = {k: v.detach().cpu().clone() for k, v in full.items()}
@@ -230,15 +246,18 @@ def evaluate(engine, windows: TokenWindows, tcfg, dp_rank: int, dp_size: int, gr
     return float(total[0] / total[1]) if total[1] else None
 
 
-def _save(cfg, root, step, engine, scaler, sampler, rank, after_write=None) -> None:
+def _save(cfg, writer, step, engine, scaler, sampler, rank, after_write=None) -> float:
     """Every rank writes the pieces of the single-process state it holds (train/sharded.py): whole
     tensors from data-parallel rank 0, slices of its shard from every ZeRO rank, its layers from each
     pipeline stage; global rank 0 adds every rank's RNG state and the JSON state. Layout-free: the
-    checkpoint resumes on any other layout."""
+    checkpoint resumes on any other layout. With ``ckpt.async`` the write goes on in the background
+    (train/ckpt_writer.py). Returns the seconds training stood still."""
+    t0 = time.perf_counter()
     rng_states = train_state.gather_rng_states()
     pieces, param_groups = engine.checkpoint_pieces()
     meta = None
     if rank == 0:
         pieces = pieces + train_state.rng_pieces(rng_states)
         meta = train_state.capture_meta(param_groups, scaler, sampler, step, cfg)
-    save_sharded(root, step, pieces, meta, keep=cfg.ckpt.keep, after_write=after_write)
+    writer.save(step, pieces, meta, after_write=after_write)
+    return time.perf_counter() - t0

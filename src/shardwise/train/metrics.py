@@ -195,13 +195,15 @@ def _last_byte(path: Path) -> bytes:
 
 
 def _plain(key: str, value: Any) -> Any:
-    """A JSON-friendly scalar: tensors and numpy scalars become Python numbers."""
+    """A JSON-friendly scalar (or list of them): tensors and numpy scalars become Python numbers."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"metric {key!r} is a tensor with {value.numel()} elements; log scalars")
         value = value.item()
     if value is None or isinstance(value, (bool, str)):
         return value
+    if isinstance(value, (list, tuple)):  # a short vector, e.g. an MoE block's load per expert
+        return [_plain(key, v) for v in value]
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real):

@@ -9,9 +9,10 @@ the data-parallel wrapper's gradients averaged over its group:
 * :class:`PipelineSchedule` (``parallel.pp > 1``): the pipeline schedule (GPipe, 1F1B, interleaved,
   ZB-H1; :class:`~shardwise.parallel.pipeline.Pipeline`) runs every micro-batch's forward and backward
   with gradients accumulating, then the wrapper reduces them once, after the flush (Narayanan et al.
-  2021 §3). The last stage's loss, plus the auxiliary router losses of earlier stages' mixture-of-experts
-  blocks, is summed along the pipeline; each step's timelines are gathered for the measured bubble (§2.2)
-  and ``timeline.json``.
+  2021 §3). Under ZeRO-2/3 the gradients accumulate unsharded and ZeRO-3 keeps a stage's parameters
+  gathered from its first forward to the flush (``ZeroDataParallel.pipeline_step``). The last stage's
+  loss, plus the auxiliary router losses of earlier stages' mixture-of-experts blocks, is summed along the
+  pipeline; each step's timelines are gathered for the measured bubble (§2.2) and ``timeline.json``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shardwise.model.dropout import DropoutKey
 from shardwise.parallel.pipeline import (
     Pipeline,
     Timeline,
@@ -43,18 +45,25 @@ class OneStage:
     def __init__(self, wrapper, precision: str, device: torch.device):
         self.wrapper, self.precision, self.device = wrapper, precision, device
 
-    def run(self, batches: Batches, scaler: DynamicLossScaler | None) -> torch.Tensor:
+    def run(self, batches: Batches, scaler: DynamicLossScaler | None,
+            dropout_key: DropoutKey | None = None) -> torch.Tensor:
         """Forward and backward of every micro-batch (loss / m each, so the gradients are those of the mean);
-        the mean loss of this replica's micro-batches."""
+        the mean loss of this replica's micro-batches. ``dropout_key``: that of the first micro-batch, shifted
+        by the sequences before each."""
         loss_sum = torch.zeros((), device=self.device)
+        done = 0
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
             with self.wrapper.no_sync() if not last else contextlib.nullcontext():
                 with autocast_context(self.precision, self.device.type):
-                    loss = self.wrapper(x, y)
+                    if dropout_key is None:
+                        loss = self.wrapper(x, y)
+                    else:
+                        loss = self.wrapper(x, y, dropout_key=dropout_key.shifted(done))
                 loss_sum += loss.detach()
                 scaled = loss / len(batches)
                 (scaler.scale_loss(scaled) if scaler else scaled).backward()
+            done += x.shape[0]
         return loss_sum / len(batches)
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -77,13 +86,14 @@ class PipelineSchedule:
         self.schedule, self.device = schedule, device
         self.timelines: list[Timeline] = []
 
-    def run(self, batches: Batches, scaler: DynamicLossScaler | None) -> torch.Tensor:
+    def run(self, batches: Batches, scaler: DynamicLossScaler | None,
+            dropout_key: DropoutKey | None = None) -> torch.Tensor:
         """One step of the schedule over the concatenated micro-batches, then the data-parallel average."""
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
         self.pipe.loss_scale = scaler.scale if scaler else 1.0
-        with self.wrapper.no_sync():  # gradients accumulate over the schedule ...
-            loss = self.pipe.step(x, y)
+        with self.wrapper.pipeline_step():  # gradients accumulate over the schedule ...
+            loss = self.pipe.step(x, y, dropout_key)
         self.wrapper.reduce_gradients()  # ... and are averaged once, after the flush
         self.timelines = gather_timelines(self.pipe.timeline, self.pp_group)
         # the single-process loss: the last stage's (with its blocks' auxiliary losses) and earlier stages' aux

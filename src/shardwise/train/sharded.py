@@ -61,6 +61,27 @@ def save_sharded(root: Path, step: int, pieces: list[Piece], meta: dict[str, Any
     holder = [begin_checkpoint(root, step) if rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)
     tmp = Path(holder[0])
+    written = write_pieces(tmp, rank, pieces)
+    if after_write is not None:
+        after_write()
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, written)
+    failure: list = [None]
+    if rank == 0:
+        try:
+            finish_pieces(root, step, tmp, everyone, meta, keep)
+        except CheckpointError as e:
+            failure = [str(e)]
+        except Exception as e:  # noqa: BLE001 - every rank fails with it, at once
+            failure = [f"checkpoint step {step} was not written: rank 0: {type(e).__name__}: {e}"]
+    dist.broadcast_object_list(failure, src=0)  # complete (or not) on every rank from here: none waits for a
+    if failure[0] is not None:  # finish that failed
+        raise CheckpointError(failure[0])
+
+
+def write_pieces(tmp: Path, rank: int, pieces: list[Piece]) -> tuple[dict, list, str | None]:
+    """Write this rank's ``pieces`` as ``shard-<rank>.safetensors`` into the temporary checkpoint ``tmp``:
+    ``(manifest entry, index rows, error text or None)`` -- what rank 0 needs to finish the checkpoint."""
     files, index, error = {}, [], None
     try:
         if pieces:
@@ -69,34 +90,30 @@ def save_sharded(root: Path, step: int, pieces: list[Piece], meta: dict[str, Any
             (name,) = files
             index = [(p.key, name, f"{p.key}@{p.start}", p.start, p.values.numel(), list(p.shape),
                       str(p.values.dtype).removeprefix("torch.")) for p in pieces]
-    except Exception as e:  # noqa: BLE001 - reported to every rank below, then raised
+    except Exception as e:  # noqa: BLE001 - reported to rank 0 (and every rank), then raised
         error = f"rank {rank}: {type(e).__name__}: {e}"
-    if after_write is not None:
-        after_write()
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (files, index, error))
+    return files, index, error
+
+
+def finish_pieces(root: Path, step: int, tmp: Path, everyone: list, meta: dict[str, Any], keep: int) -> None:
+    """Rank 0: join every rank's :func:`write_pieces` result into the index, write ``state.json`` and the
+    manifest, rename into place (or remove ``tmp`` and raise when a writer failed)."""
     errors = [e for _, _, e in everyone if e]
     if errors:
-        if rank == 0:
-            abandon_checkpoint(tmp)
+        abandon_checkpoint(tmp)
         raise CheckpointError(f"checkpoint step {step} was not written: {errors[0]}")
-    outcome: list = [None]
-    if rank == 0:
-        all_files: dict[str, Any] = {}
-        shards: dict[str, dict[str, Any]] = {}
-        for f, idx, _ in everyone:
-            all_files.update(f)
-            for key, file, entry, start, numel, shape, dtype in idx:
-                info = shards.setdefault(key, {"shape": shape, "dtype": dtype, "pieces": []})
-                info["pieces"].append([file, entry, start, start + numel])
-        try:
-            finish_checkpoint(root, step, tmp, all_files, {**meta, "shards": shards}, keep)
-        except Exception as e:  # noqa: BLE001 - every rank fails with it (none waits for a finish that failed)
-            abandon_checkpoint(tmp)
-            outcome = [f"rank 0: {type(e).__name__}: {e}"]
-    dist.broadcast_object_list(outcome, src=0)  # the checkpoint is complete (or not) on every rank from here
-    if outcome[0] is not None:
-        raise CheckpointError(f"checkpoint step {step} was not written: {outcome[0]}")
+    all_files: dict[str, Any] = {}
+    shards: dict[str, dict[str, Any]] = {}
+    for f, idx, _ in everyone:
+        all_files.update(f)
+        for key, file, entry, start, numel, shape, dtype in idx:
+            info = shards.setdefault(key, {"shape": shape, "dtype": dtype, "pieces": []})
+            info["pieces"].append([file, entry, start, start + numel])
+    try:
+        finish_checkpoint(root, step, tmp, all_files, {**meta, "shards": shards}, keep)
+    except BaseException:
+        abandon_checkpoint(tmp)
+        raise
 
 
 class ShardedReader:
@@ -120,6 +137,11 @@ class ShardedReader:
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"checkpoint {self.path}: file {name} cannot be read by safetensors: {e}") from e
         return self._open[name]
+
+    def close(self) -> None:
+        """Close the files opened so far: safetensors maps them into memory, and the pages read stay in the
+        process's resident set until the file is closed (a streaming reader closes them after each tensor)."""
+        self._open.clear()
 
     def keys(self, prefix: str) -> list[str]:
         return [k for k in self.index if k.startswith(prefix)]
@@ -192,6 +214,15 @@ class LazyState(Mapping):
     def read_slice(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of the flattened tensor ``name`` only."""
         return self.reader.slice(self.prefix + name, start, stop)
+
+    def read_rows(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` along ``dim`` of tensor ``name`` only (a tensor-parallel rank's part): one run of
+        elements per index of the dims before ``dim``."""
+        shape = self.reader.index[self.prefix + name]["shape"]
+        inner, outer = math.prod(shape[dim + 1:]), math.prod(shape[:dim])
+        runs = [self.read_slice(name, (i * shape[dim] + start) * inner, (i * shape[dim] + stop) * inner)
+                for i in range(outer)]
+        return torch.cat(runs).view(*shape[:dim], stop - start, *shape[dim + 1:])
 
     def materialize(self) -> dict[str, torch.Tensor]:
         return {name: self[name] for name in self._names}

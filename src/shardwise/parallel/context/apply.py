@@ -21,11 +21,10 @@ def apply_context_parallel(part: nn.Module, mesh, cfg, stats: CommStats | None =
 
     p = cfg.parallel
     layout = SequenceLayout(mesh.size("cp"), mesh.rank("cp"), p.cp_balance)
-    core = ContextAttention(p.cp_algorithm, layout, mesh.group("cp"), mesh.ranks("cp"), stats)
+    core = ContextAttention(p.cp_algorithm, layout, mesh.group("cp"), mesh.ranks("cp"), stats,
+                            causal=cfg.model.flavor != "bert")
     for m in part.modules():
         if isinstance(m, Attention):
-            if m.dropout:
-                raise ValueError(f"context parallelism has no attention dropout ({m.dropout}); use model.dropout=0")
             m.core = core
     use_global_positions(part, layout)
     if hasattr(part, "loss_fn"):

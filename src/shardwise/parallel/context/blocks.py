@@ -22,7 +22,14 @@ Which blocks a rank computes under a causal mask, for the layouts of :mod:`.layo
 (:func:`block_pair`): its own block is causal (its positions increase); with head-tail balance a block
 from an earlier rank is seen whole by all queries against its first (early) chunk, a block from a later
 rank by the second (late) half of the queries only; with a contiguous split an earlier rank's block is
-seen whole and a later one not at all.
+seen whole and a later one not at all. Without a causal mask (an encoder: bert) every block is seen whole.
+
+Dropout on the attention probabilities (FlashAttention's blockwise form, Dao et al. 2022, Algorithm 4 and
+appendix B.4): a block's output sums the *dropped* probabilities ``Z = P o M / (1 - p)`` times its values,
+while its ``lse`` is that of the undropped scores (the softmax normalises before dropout), so the merge is
+unchanged. Backward: ``dV = Z^T dO``, ``dP = (dO V^T) o M / (1 - p)``, ``dS = P o (dP - delta)`` with the same
+``delta = rowsum(dO o O)``. ``keep`` is the block's mask, drawn for its global positions
+(:class:`~shardwise.model.dropout.AttentionDropout`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from shardwise.model.dropout import apply_keep
 
 
 @dataclass(frozen=True)
@@ -49,9 +58,11 @@ class BlockPair:
         return rows * cols * (0.5 if self.causal else 1.0)
 
 
-def block_pair(q_rank: int, kv_rank: int, local_len: int, balance: str) -> BlockPair | None:
+def block_pair(q_rank: int, kv_rank: int, local_len: int, balance: str, causal: bool = True) -> BlockPair | None:
     """The block queries of ``q_rank`` compute against keys of ``kv_rank`` (None: fully masked)."""
     everything = slice(0, local_len)
+    if not causal:
+        return BlockPair(everything, everything, False)
     if q_rank == kv_rank:
         return BlockPair(everything, everything, True)
     if balance == "headtail":
@@ -75,14 +86,18 @@ def _scores(qg: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> to
     return s
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                  keep: torch.Tensor | None = None, p_drop: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, H, T, d]`` over one block ``k, v [B, Hkv, S, d]``: ``(out [B, H, T, d] fp32,
-    lse [B, H, T] fp32)``. ``causal``: the block is square and on the diagonal (top-left aligned)."""
-    qg = _grouped(q, k.shape[1])
+    lse [B, H, T] fp32)``. ``causal``: the block is square and on the diagonal (top-left aligned). ``keep``
+    ``[B, H, T, S]``: the dropout mask of the block's probabilities (probability ``p_drop``)."""
+    kvh = k.shape[1]
+    qg = _grouped(q, kvh)
     s = _scores(qg, k, scale, causal)
     lse = s.logsumexp(-1)
     p = torch.exp(s - lse.unsqueeze(-1))
+    if keep is not None:
+        p = apply_keep(p, _grouped(keep, kvh), p_drop)
     out = torch.einsum("bkgts,bksd->bkgtd", p, v.float())
     return out.flatten(1, 2), lse.flatten(1, 2)
 
@@ -98,15 +113,19 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, out_b: torch.Tenso
 
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                   delta: torch.Tensor, scale: float,
-                   causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` (fp32) of one block, from the merged ``lse`` and ``delta = rowsum(dout * out)``."""
+                   delta: torch.Tensor, scale: float, causal: bool, keep: torch.Tensor | None = None,
+                   p_drop: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` (fp32) of one block, from the merged ``lse`` and ``delta = rowsum(dout * out)``
+    (``keep``, ``p_drop``: the block's dropout, as :func:`block_forward` applied it)."""
     kvh = k.shape[1]
     qg, dog = _grouped(q, kvh).float(), _grouped(dout, kvh).float()
     s = _scores(qg, k, scale, causal)
     p = torch.exp(s - _grouped(lse.unsqueeze(-1), kvh))
-    dv = torch.einsum("bkgts,bkgtd->bksd", p, dog)
+    mask = None if keep is None else _grouped(keep, kvh)
+    dv = torch.einsum("bkgts,bkgtd->bksd", p if mask is None else apply_keep(p, mask, p_drop), dog)
     dp = torch.einsum("bkgtd,bksd->bkgts", dog, v.float())
+    if mask is not None:
+        dp = apply_keep(dp, mask, p_drop)
     ds = p * (dp - _grouped(delta.unsqueeze(-1), kvh))
     dq = torch.einsum("bkgts,bksd->bkgtd", ds, k.float()) * scale
     dk = torch.einsum("bkgts,bkgtd->bksd", ds, qg) * scale

@@ -14,9 +14,10 @@ def check(cfg: Config) -> None:
     choice("parallel.cp_balance", p.cp_balance)
     if p.cp == 1:
         return
-    if m.flavor == "bert":
-        raise ConfigError(f"parallel.cp={p.cp} with model.flavor='bert': the context-parallel attention cores are "
-                          "causal, and an encoder's padding masks do not follow the sequence split; use parallel.cp=1")
+    if cfg.train.objective == "classify":
+        raise ConfigError(f"parallel.cp={p.cp} with train.objective='classify': the classifier reads the [CLS] "
+                          "token, which one context-parallel rank holds, and its label is per sequence; use "
+                          "parallel.cp=1")
     chunks = 2 * p.cp if p.cp_balance == "headtail" else p.cp
     unit = chunks * (p.tp if p.sequence_parallel else 1)
     s = cfg.data.seq_len
@@ -27,16 +28,10 @@ def check(cfg: Config) -> None:
         near = [v for v in (s // unit * unit, (s // unit + 1) * unit) if v > 0]
         raise ConfigError(f"data.seq_len={s} does not divide into {what}; use a multiple of {unit}, e.g. "
                           f"{' or '.join(map(str, near))}")
-    if m.dropout > 0:
-        raise ConfigError(f"model.dropout={m.dropout} with parallel.cp={p.cp}: context-parallel attention has no "
-                          "attention dropout; use model.dropout=0")
     if p.cp_algorithm == "ring" and cfg.run.device == "cuda" and p.backend == "gloo":
         raise ConfigError("parallel.cp_algorithm='ring' with run.device='cuda' and parallel.backend='gloo': the "
                           "ring passes K/V blocks point to point, and gloo's point-to-point takes CPU tensors only; "
                           "use parallel.backend='nccl' (or 'auto') or run.device='cpu'")
-    if p.zero_hpz > 1:
-        raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} with parallel.cp={p.cp}: hpZ's node groups are cut from "
-                          "the dp ranks, but ZeRO shards over dp x cp; use parallel.zero_hpz=1")
     if p.cp_algorithm == "ulysses":
         heads, kv = m.n_heads // p.tp, max(m.n_kv_heads // p.tp, 1)
         if heads % p.cp:

@@ -30,14 +30,17 @@ ALGORITHMS = ("ring", "allgather", "ulysses")
 
 @dataclass(eq=False)
 class ContextAttention:
-    """``core(q, k, v)`` on ``[B, H, t, d]`` heads of this rank's ``t`` tokens: causal attention over the
-    whole sequence by ``algorithm`` ("ring", "allgather" or "ulysses")."""
+    """``core(q, k, v)`` on ``[B, H, t, d]`` heads of this rank's ``t`` tokens: causal (or, for an encoder,
+    bidirectional) attention over the whole sequence by ``algorithm`` ("ring", "allgather" or "ulysses"),
+    with the probabilities' dropout when given one (:class:`~shardwise.model.dropout.AttentionDropout`)."""
 
     algorithm: str
     layout: SequenceLayout
     group: object
     ranks: list[int]
     stats: CommStats | None = None
+    causal: bool = True
+    """False for an encoder (bert): every query attends to every key."""
     work: float = field(default=0.0)
     """Forward score tiles computed since the last :func:`pop_attention_work` (see the module docstring)."""
     saved_bytes: int = 0
@@ -106,16 +109,16 @@ class ContextAttention:
         out, self.seconds, self._events = self.seconds, 0.0, []
         return out
 
-    def count_causal(self, seq: int, fraction: float) -> None:
-        """A causal ``seq x seq`` attention over ``fraction`` of the heads (Ulysses)."""
-        self.work += seq * seq / 2 * fraction / self._tile(seq // self.size)
+    def count_whole(self, seq: int, fraction: float) -> None:
+        """A ``seq x seq`` attention (causal: half of it) over ``fraction`` of the heads (Ulysses)."""
+        self.work += seq * seq * (0.5 if self.causal else 1.0) * fraction / self._tile(seq // self.size)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        if mask is not None:  # the config refuses cp with the bert flavour (padding masks)
-            raise ValueError("context-parallel attention is causal: a padding mask cannot be applied")
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                 drop=None) -> torch.Tensor:
+        if mask is not None:  # the config refuses cp with classification, the one objective with padding
+            raise ValueError("context-parallel attention takes no padding mask: its keys are split over the ranks")
         if not torch.is_grad_enabled():
-            return self._attend(q, k, v)
+            return self._attend(q, k, v, drop)
         seen: set = set()
         # only the innermost hooks apply: chain to an enclosing pair (activation checkpointing's) so it still acts
         outer_pack, outer_unpack = torch._C._autograd._top_saved_tensors_default_hooks(False) or (None, None)
@@ -132,20 +135,20 @@ class ContextAttention:
 
         self.calls += 1
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            return self._attend(q, k, v)
+            return self._attend(q, k, v, drop)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop) -> torch.Tensor:
         if self.algorithm == "ring":
             from shardwise.parallel.context.ring import RingAttentionFunction
 
-            return RingAttentionFunction.apply(q, k, v, self)
+            return RingAttentionFunction.apply(q, k, v, self, drop)
         if self.algorithm == "allgather":
             from shardwise.parallel.context.allgather import allgather_attention
 
-            return allgather_attention(q, k, v, self)
+            return allgather_attention(q, k, v, self, drop)
         from shardwise.parallel.context.ulysses import ulysses_attention
 
-        return ulysses_attention(q, k, v, self)
+        return ulysses_attention(q, k, v, self, drop)
 
 
 def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:

@@ -12,6 +12,9 @@ replication's backward.
 
 The gathered sequence is the ranks' local sequences one after another, which under head-tail balance is
 a permutation of the true order: it is put back in order for the causal kernel and permuted back after.
+With dropout on the probabilities, the rank draws the mask of its heads over the whole sequence (global head
+ids: its tensor-parallel rank's heads, then its share of them) and applies it in an eager core
+(:func:`~shardwise.model.dropout.dropped_attention`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise.dist.comm.counting import nbytes
+from shardwise.model.dropout import dropped_attention
 
 
 def _all_to_all(x: torch.Tensor, core) -> torch.Tensor:
@@ -73,8 +77,18 @@ def kv_replicas(n_kv_heads: int, cp: int) -> int:
     raise ValueError(f"ulysses: {n_kv_heads} key/value heads neither divide by nor divide parallel.cp={cp}")
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core) -> torch.Tensor:
-    """Causal attention of this rank's tokens ``q [B, H, t, d]``, ``k, v [B, Hkv, t, d]`` by two all-to-alls."""
+def ulysses_keep(core, drop, batch: int, heads: int, t: int, device=None) -> torch.Tensor:
+    """The dropout mask this rank applies: its share of the ``heads`` query heads it held before the all-to-all
+    (group ``rank`` of ``cp``, by global id), over the whole sequence of ``cp * t`` positions in order."""
+    per = heads // core.size
+    mine = drop.heads.index.to(device)[core.rank * per:(core.rank + 1) * per]
+    every = torch.arange(core.size * t, device=device)
+    return drop.keep(batch, every, every, core.size * t, heads=mine, causal=core.causal)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, drop=None) -> torch.Tensor:
+    """Attention (causal, or not for an encoder) of this rank's tokens ``q [B, H, t, d]``, ``k, v [B, Hkv, t, d]``
+    by two all-to-alls; ``drop``: the probabilities' dropout (None: none)."""
     n, t = core.size, q.shape[2]
     if q.shape[1] % n:
         raise ValueError(f"ulysses: {q.shape[1]} query heads on this rank do not divide by parallel.cp={n}")
@@ -87,7 +101,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core) -
     positions = torch.cat([core.layout.positions(t, rank=j) for j in range(n)]).to(q.device)
     order = positions.argsort()  # gathered order -> true order
     with core.timed(qh):
-        y = F.scaled_dot_product_attention(qh[:, :, order], kh[:, :, order], vh[:, :, order], is_causal=True,
-                                           enable_gqa=kh.shape[1] != qh.shape[1])
-    core.count_causal(n * t, fraction=1 / n)
+        if drop is None:
+            y = F.scaled_dot_product_attention(qh[:, :, order], kh[:, :, order], vh[:, :, order],
+                                               is_causal=core.causal, enable_gqa=kh.shape[1] != qh.shape[1])
+        else:
+            keep = ulysses_keep(core, drop, q.shape[0], q.shape[1], t, q.device)
+            y = dropped_attention(qh[:, :, order], kh[:, :, order], vh[:, :, order], keep, drop.p,
+                                  causal=core.causal)
+    core.count_whole(n * t, fraction=1 / n)
     return _Reshard.apply(y[:, :, order.argsort()], core, False)

@@ -4,10 +4,11 @@ experts do not compose with yet, one line each."""
 
 from __future__ import annotations
 
-from shardwise.checks import Unused, divisors, positive
+from shardwise.checks import Unused, choice, divisors, positive
 from shardwise.config import Config, ConfigError, ModelConfig
 
-MOE_FIELDS = ("moe_top_k", "moe_every", "moe_shared", "moe_capacity_factor", "moe_aux_coeff", "moe_z_coeff")
+MOE_FIELDS = ("moe_top_k", "moe_every", "moe_shared", "moe_capacity_factor", "moe_aux_coeff", "moe_z_coeff",
+              "moe_router", "moe_d_ff")
 
 
 def check_moe_fields(m: ModelConfig) -> None:
@@ -19,8 +20,10 @@ def check_moe_fields(m: ModelConfig) -> None:
     if m.n_experts and m.moe_every > m.n_layers:
         raise ConfigError(f"model.moe_every={m.moe_every} exceeds model.n_layers={m.n_layers}: no block would be "
                           f"MoE; use 1..{m.n_layers}")
-    for key in ("moe_shared", "moe_capacity_factor", "moe_aux_coeff", "moe_z_coeff"):
+    for key in ("moe_shared", "moe_capacity_factor", "moe_aux_coeff", "moe_z_coeff", "moe_bias_rate"):
         positive(f"model.{key}", getattr(m, key), allow_zero=True)
+    choice("model.moe_router", m.moe_router)
+    positive("model.moe_d_ff", m.moe_d_ff)
 
 
 def check(cfg: Config) -> None:
@@ -40,16 +43,11 @@ def check(cfg: Config) -> None:
                           f"all-to-all (comm.algorithm={cfg.comm.algorithm!r}) sends tokens point to point, and "
                           "gloo's point-to-point takes CPU tensors only; use parallel.backend='nccl' (or 'auto') "
                           "or run.device='cpu'")
-    if m.n_experts and p.sequence_parallel:
-        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.sequence_parallel=true: MoE blocks stay whole "
-                          "on every tensor-parallel rank and would see only their sequence shard (not composed "
-                          "yet); use parallel.sequence_parallel=false")
-    if p.ep > 1 and p.zero_hpz > 1:
-        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero_hpz={p.zero_hpz}: hpZ's secondary partitions "
-                          "span the data-parallel group, expert units do not (not composed); use parallel.zero_hpz=1")
-    if m.n_experts and p.cp > 1:
-        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.cp={p.cp}: the load-balancing loss of a "
-                          "sequence shard is not that of the whole sequence (not composed yet); use parallel.cp=1")
+    if m.n_experts and m.moe_capacity_factor and (p.sequence_parallel or p.cp > 1):
+        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} with "
+                          f"{'parallel.sequence_parallel=true' if p.sequence_parallel else f'parallel.cp={p.cp}'}: a "
+                          "capacity ranks each expert's slots over the whole sequence, which is spread over ranks; "
+                          "use model.moe_capacity_factor=0 (dropless)")
     if m.n_experts and m.flavor == "bert":
         raise ConfigError(f"model.n_experts={m.n_experts} with model.flavor='bert': the experts are decoder "
                           "MLPs (GPT-2 or Llama); use model.n_experts=0 or another flavour")
@@ -59,5 +57,9 @@ def check(cfg: Config) -> None:
 
 
 def unused(cfg: Config) -> list[Unused]:
+    m = cfg.model
     why = "configures mixture-of-experts blocks, but model.n_experts=0; set model.n_experts or remove it"
-    return [Unused(f"model.{k}", cfg.model.n_experts > 0, why) for k in MOE_FIELDS]
+    bias = (f"moves the sigmoid_bias router's balancing bias, but model.moe_router={m.moe_router!r} has none; "
+            "set model.moe_router='sigmoid_bias' or remove it")
+    return [Unused(f"model.{k}", m.n_experts > 0, why) for k in MOE_FIELDS] + [
+        Unused("model.moe_bias_rate", m.n_experts > 0 and m.moe_router == "sigmoid_bias", bias)]

@@ -36,7 +36,7 @@ from torch import nn
 
 from shardwise.dist.comm.collectives import all_to_all, all_to_all_v
 from shardwise.dist.comm.counting import CommStats
-from shardwise.model.moe import ExpertLinear, Experts, moe_layers, moe_metrics, pop_moe_totals
+from shardwise.model.moe import ExpertLinear, Experts, moe_layers
 from shardwise.parallel.tensor.layers import TPShard
 
 
@@ -88,6 +88,8 @@ class ExpertParallel(Experts):
                 piece = nn.Parameter(p.detach()[start:stop].clone(), requires_grad=p.requires_grad)
                 tp = getattr(p, "tp_shard", None)  # with tensor parallelism: a copy on every tp rank
                 piece.ep_shard = TPShard("ep", 0, tuple(p.shape), start, stop, owner=tp is None or tp.owner)
+                for hook in (getattr(p, "_backward_hooks", None) or {}).values():
+                    piece.register_hook(hook)  # sequence parallelism's sum over tp of the partial gradient
                 setattr(local, pname, piece)
             if not hasattr(local, "bias"):
                 local.bias = None
@@ -103,9 +105,7 @@ class ExpertParallel(Experts):
         out_splits = got.sum(1).tolist()
         arrived = dispatch(x, out_splits, in_splits, self.group, self.algorithm, self.stats, self.timeout_s)
         perm = _expert_major(got)
-        y = super().forward(arrived[perm.to(arrived.device)], got.sum(0).tolist())
-        if y.shape[0] == 0:  # no tokens for these experts: stay in the graph, so backward's all-to-alls run here too
-            y = arrived[:0]
+        y = super().forward(arrived[perm.to(arrived.device)], got.sum(0).tolist())  # in the graph with no tokens too
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel())
         return dispatch(y[back.to(y.device)], in_splits, out_splits, self.group, self.algorithm, self.stats,
@@ -138,21 +138,3 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, stats: Com
 def all_to_all_algorithm(comm_cfg) -> str:
     """``comm.algorithm`` "native" picks the backend's all-to-all; any other value ours ("pairwise")."""
     return "native" if comm_cfg.algorithm == "native" else "pairwise"
-
-
-def step_metrics(model: nn.Module, group: dist.ProcessGroup | None,
-                 pp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """The step's router metrics over the whole global batch: every data-parallel rank's sums (its own
-    tokens) added over ``group`` (a collective where the model has MoE blocks), then
-    :func:`shardwise.model.moe.moe_metrics`. ``pp_group`` (a collective on every stage, with or without
-    MoE blocks): each stage's blocks joined, their sums added."""
-    totals = pop_moe_totals(model)
-    if totals is not None and group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(totals, group=group)
-    if pp_group is not None:
-        stages: list[torch.Tensor | None] = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(stages, totals, group=pp_group)
-        stages = [t for t in stages if t is not None]
-        totals = None if not stages else torch.cat(
-            [torch.cat([t[:-5] for t in stages]), torch.stack([t[-5:] for t in stages]).sum(0)])
-    return {} if totals is None else moe_metrics(totals)

@@ -71,21 +71,30 @@ class Pipeline:
       weight gradients to :attr:`weight_grads`
       (:func:`~shardwise.parallel.pipeline.zero_bubble.defer_linear_weight_grads`).
     * ``d_model`` / ``act_dtype``: an activation of a micro-batch of inputs ``[b, t]`` is
-      ``[b, t, d_model]`` of ``act_dtype`` -- known on every rank, so nothing is exchanged but data.
-      Activations and their gradients travel in ``act_dtype`` whatever dtype a stage computes in.
+      ``[b, t / seq_shards, d_model]`` of ``act_dtype`` -- known on every rank, so nothing is exchanged but
+      data. Activations and their gradients travel in ``act_dtype`` whatever dtype a stage computes in.
+      ``seq_shards``: with sequence parallelism (Korthikanti et al. 2022 §4.2.2) a stage's output is this
+      rank's ``t / tp`` tokens -- the residual stream between blocks is sequence-split -- so stages exchange
+      1/tp of the whole-sequence bytes, as in Megatron.
     * ``forward_context``: a context-manager factory entered around every forward computation
       (e.g. ``torch.autocast`` for mixed precision; backward runs outside it, as torch recommends).
     * ``loss_scale``: the last stage multiplies each micro-batch's ``loss / m`` by it before backward
       (fp16 dynamic loss scaling, Micikevicius et al. 2018 §3.2); set it before every step.
     * ``comm_stats``: where every point-to-point send is recorded (:mod:`shardwise.dist.comm.counting`;
       activations, their gradients, the tied table's gradient).
+    * ``tokens_to_every_stage``: every stage's forward also gets its micro-batch's input ids as ``tokens=``
+      (every pipeline rank reads the same batch; bert's classifier derives its padding mask from them on each
+      stage, so the mask goes along with the activations at no cost).
+
+    With a ``dropout_key`` (:meth:`step`), the forward of micro-batch ``i`` gets it shifted to the
+    micro-batch's first sequence (``dropout_key=``), on every stage: the masks are those one process draws.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], stage_ranks: Sequence[int], schedule: str,
                  n_microbatches: int, d_model: int, act_dtype: torch.dtype = torch.float32,
                  group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
                  forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 comm_stats: CommStats | None = None):
+                 comm_stats: CommStats | None = None, seq_shards: int = 1, tokens_to_every_stage: bool = False):
         self.chunks = list(chunks)
         self.p, self.v, self.m = len(stage_ranks), len(self.chunks), n_microbatches
         check_schedule(schedule, self.p, n_microbatches, self.v)
@@ -96,6 +105,7 @@ class Pipeline:
         self.n_stages = self.p * self.v
         self.actions = build_schedule(schedule, self.p, n_microbatches, self.v)[self.rank]
         self.d_model, self.act_dtype, self.device = d_model, act_dtype, torch.device(device)
+        self.seq_shards = seq_shards
         self.timeline = Timeline(self.rank)
         self.plan = _plan(self.actions)
         self.split_backward = any(a.kind == W for a in self.actions)
@@ -105,6 +115,7 @@ class Pipeline:
             for chunk in self.chunks:
                 defer_linear_weight_grads(chunk, self.weight_grads)
         self.forward_context = forward_context
+        self.tokens_to_every_stage = tokens_to_every_stage
         self.loss_scale = 1.0
         self.moe_chunks = {c for c, chunk in enumerate(self.chunks) if moe_layers(chunk)}
         """Chunks with mixture-of-experts blocks, whose router losses their backward adds."""
@@ -117,17 +128,29 @@ class Pipeline:
         for chunk in self.chunks:
             yield from chunk.parameters()
 
+    def activation_shape(self, input_shape: Sequence[int]) -> tuple[int, int, int]:
+        """What passes between stages for inputs ``[b, t]``: ``[b, t / seq_shards, d_model]``."""
+        b, t = input_shape
+        if t % self.seq_shards:
+            raise ValueError(f"a sequence of {t} tokens does not split over {self.seq_shards} sequence-parallel ranks")
+        return b, t // self.seq_shards, self.d_model
+
     def stage(self, chunk: int) -> int:
         return chunk * self.p + self.rank
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def _extras(self, tokens: torch.Tensor, dropout_key=None) -> dict:
+        """The keyword arguments of a chunk's forward on a micro-batch of input ids ``tokens``."""
+        out = {"tokens": tokens} if self.tokens_to_every_stage else {}
+        return out if dropout_key is None else {**out, "dropout_key": dropout_key}
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, dropout_key=None) -> torch.Tensor | None:
         """Forward and backward of the batch ``inputs``/``targets`` (``[B, T]``); gradients accumulate
         into the chunks' ``.grad``. Returns the mean loss on the rank holding the last stage, else None.
         Every rank passes batches of the same shape; only the first stage reads ``inputs`` and only the
-        last reads ``targets``."""
+        last reads ``targets``. ``dropout_key``: that of the batch's first sequence."""
         x_mbs = split_microbatches(inputs, self.m)
         y_mbs = split_microbatches(targets, self.m)
-        act_shape = (*x_mbs[0].shape, self.d_model)
+        act_shape = self.activation_shape(x_mbs[0].shape)
         tl = self.timeline = Timeline(self.rank)
         tl.start = time.perf_counter()
         self.weight_grads.clear()
@@ -181,8 +204,9 @@ class Pipeline:
             last = s == self.n_stages - 1
             if a.kind == F:
                 x = x_mbs[i] if s == 0 else received(RECV_F, c, i).requires_grad_()
+                key = None if dropout_key is None else dropout_key.shifted(i * len(x_mbs[0]))
                 with tl.record(F, s, i), self.forward_context():
-                    out = self.chunks[c](x, y_mbs[i] if last else None)
+                    out = self.chunks[c](x, y_mbs[i] if last else None, **self._extras(x_mbs[i], key))
                 if last:
                     losses.append(out.detach().float())
                     out = out / self.m
@@ -228,7 +252,7 @@ class Pipeline:
     def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """The loss of ``inputs``/``targets`` without gradients (validation): the whole batch passes
         the stages in order, one at a time. Returns the loss on the rank holding the last stage, else None."""
-        act_shape = (*inputs.shape, self.d_model)
+        act_shape = self.activation_shape(inputs.shape)
         x: torch.Tensor | None = None
         for s in range(self.n_stages):
             owner, chunk = s % self.p, s // self.p
@@ -240,7 +264,7 @@ class Pipeline:
                                          message_tag(RECV_F, s, self.m + 2, self.n_stages))], count=False)
             last = s == self.n_stages - 1
             with self.forward_context():
-                out = self.chunks[chunk](inputs if s == 0 else x, targets if last else None)
+                out = self.chunks[chunk](inputs if s == 0 else x, targets if last else None, **self._extras(inputs))
             if last:
                 return out.float()
             x = out.to(self.act_dtype)

@@ -16,6 +16,7 @@ copies' gradients (Shoeybi et al. 2019 "Megatron-LM" / Narayanan et al. 2021 §3
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import pairwise
 from typing import TYPE_CHECKING
@@ -103,7 +104,8 @@ def layer_costs(cfg: ModelConfig, method: str, seq_len: int | None = None) -> tu
         model = Transformer(cfg)
     block_params = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
     embed_params = sum(e.weight.numel() for e in (model.tok_emb, model.pos_emb) if e is not None)
-    head_params = sum(p.numel() for p in model.norm_f.parameters()) + model.lm_head.weight.numel()
+    head = [getattr(model, name) for name in LAST_STAGE_MODULES if getattr(model, name, None) is not None]
+    head_params = sum(p.numel() for m in head for p in m.parameters())
     if method == "params":
         return [float(n) for n in block_params], float(embed_params), float(head_params)
     t = seq_len or cfg.max_seq_len
@@ -111,7 +113,7 @@ def layer_costs(cfg: ModelConfig, method: str, seq_len: int | None = None) -> tu
     for b in model.blocks:
         matmul = sum(m.weight.numel() for m in b.modules() if isinstance(m, nn.Linear))
         blocks.append(2.0 * matmul + 4.0 * t * cfg.d_model)
-    return blocks, 0.0, 2.0 * model.lm_head.weight.numel()
+    return blocks, 0.0, 2.0 * sum(m.weight.numel() for m in head if isinstance(m, nn.Linear))
 
 
 def partition(cfg: ModelConfig, n_stages: int, method: str = "even", boundaries: Sequence[int] | None = None,
@@ -138,8 +140,11 @@ class StageModule(nn.Module):
     single-device model's names. Forward runs the model's own ``embed`` and ``head`` code on the
     stage's modules (and its ``loss_fn``), so a technique that swaps them on the stage (tensor
     parallelism) is seen.
-    ``forward(x, targets)``: ``x`` is tokens on the first stage, else activations; the last stage
-    returns the loss (with ``targets``) or logits, the others activations.
+    ``forward(x, targets, dropout_key=None, tokens=None)``: ``x`` is tokens on the first stage, else
+    activations; the last stage returns the loss (with ``targets``) or logits, the others activations.
+    ``dropout_key``: the micro-batch's dropout draw (:mod:`shardwise.model.dropout`); ``tokens``: the
+    micro-batch's input ids, from which a classifying bert stage derives the padding mask of its blocks
+    (the pipeline hands them to every stage).
     """
 
     def __init__(self, model: nn.Module, stage: int, n_stages: int, blocks: range):
@@ -148,35 +153,45 @@ class StageModule(nn.Module):
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.layer_ids = list(blocks)
         object.__setattr__(self, "_model", model)  # not a child: its other modules stay on meta
-        self.cfg, self.drop, self.loss_fn, self.pos_emb = model.cfg, model.drop, model.loss_fn, None
+        self.cfg, self.loss_fn, self.pos_emb = model.cfg, model.loss_fn, None
         self.classifies = getattr(model, "classifies", False)
-        if self.is_first or (self.is_last and model.cfg.tie_embeddings):
+        if self.is_first or (self.is_last and model.cfg.tie_embeddings and not self.classifies):
             self.tok_emb = model.tok_emb
         if self.is_first:
             for name in FIRST_STAGE_EXTRAS:  # the embedding side's other modules (bert: token types, norm)
                 if getattr(model, name, None) is not None:
                     setattr(self, name, getattr(model, name))
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
-        if self.is_last:
-            self.norm_f, self.lm_head = model.norm_f, model.lm_head
-            if hasattr(model, "mlm_dense"):  # bert's masked-LM transform
-                self.mlm_dense = model.mlm_dense
+        if self.is_last:  # the head: bert's masked-LM transform or its [CLS] classifier, or the final norm and output
+            for name in LAST_STAGE_MODULES:
+                if getattr(model, name, None) is not None:
+                    setattr(self, name, getattr(model, name))
         if model.rope is not None and len(blocks):
             self.rope = model.rope
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        from shardwise.model.transformer import Transformer
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, dropout_key=None,
+                tokens: torch.Tensor | None = None) -> torch.Tensor:
+        from shardwise.model.transformer import Transformer, bert_special_ids
 
+        padding_mask = None
+        if self.classifies:  # as Transformer.forward: keys at [PAD] are masked out of attention
+            ids = x if self.is_first else tokens
+            if ids is None:
+                raise ValueError("a classifying pipeline stage needs its micro-batch's tokens (the padding mask)")
+            padding_mask = ids != bert_special_ids(self.cfg.vocab_size)[0]
         if self.is_first:
-            x = Transformer.embed(self, x)
+            x = Transformer.embed(self, x, dropout_key=dropout_key)
         for block in self.blocks.values():
-            x = block(x)
+            if padding_mask is None and dropout_key is None:
+                x = block(x)
+            else:
+                x = block(x, padding_mask=padding_mask, dropout_key=dropout_key)
         if self.cfg.n_experts and self.training and torch.is_grad_enabled():  # as Transformer.forward
             for moe in moe_layers(self):
                 moe.record()
         if not self.is_last:  # earlier stages' auxiliary losses: the executor backpropagates them
             return x
-        out = Transformer.head(self, x, targets)
+        out = Transformer.head(self, x, targets, dropout_key)
         if targets is not None and self.training and self.cfg.n_experts and (aux := moe_aux_loss(self)) is not None:
             out = out + aux.to(out.dtype)  # this stage's blocks' share, as Transformer.forward adds them all
         return out
@@ -184,13 +199,52 @@ class StageModule(nn.Module):
     @property
     def tied_weight(self) -> nn.Parameter | None:
         """The token table when the model ties it to the head and this stage holds one of its copies."""
-        if self._model.cfg.tie_embeddings and (self.is_first or self.is_last) and self.n_stages > 1:
+        if self._model.cfg.tie_embeddings and not self.classifies and (self.is_first or self.is_last) \
+                and self.n_stages > 1:
             return self.tok_emb.weight
         return None
 
 
-FIRST_STAGE_EXTRAS = ("pos_emb", "type_emb", "emb_norm")
+class StageChunks(nn.ModuleList):
+    """A pipeline rank's chunks (interleaved schedule: global stages ``c * p + rank``) as one model part.
+
+    To the schedule it is a list (``chunks[c]`` runs chunk ``c``); to whatever reads parameter or state-dict
+    names -- a data-parallel or ZeRO wrapper's units and checkpoints -- it has the single-process names each
+    chunk already registers (``blocks.5.attn.qkv.weight``, not ``1.blocks.5...``): chunks hold disjoint
+    blocks, and a table tied between the first and last stages never sits twice on one rank when p > 1."""
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        seen: set[int] = set()
+        for chunk in self:
+            for name, p in chunk.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate):
+                if not remove_duplicate or id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        out = OrderedDict() if destination is None else destination
+        for chunk in self:
+            chunk.state_dict(destination=out, prefix=prefix, keep_vars=keep_vars)
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        missing, unexpected = [], set(state_dict)
+        for chunk in self:
+            own = chunk.state_dict().keys()
+            result = chunk.load_state_dict({k: state_dict[k] for k in own if k in state_dict}, strict=False,
+                                           assign=assign)
+            missing += result.missing_keys
+            unexpected -= set(own)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"state dict does not match: missing {missing[:3]}, unexpected {sorted(unexpected)[:3]}")
+        return missing, sorted(unexpected)
+
+
+FIRST_STAGE_EXTRAS = ("pos_emb", "type_emb", "emb_norm", "drop")
 """Modules of the model's embedding side besides the token table, held by the first stage when they exist."""
+LAST_STAGE_MODULES = ("norm_f", "lm_head", "mlm_dense", "pooler", "drop_classifier", "classifier")
+"""The head's modules, held by the last stage when the model has them (bert: its masked-LM transform, or the
+[CLS] pooler, dropout and classifier instead of the language-model head)."""
 
 
 def build_stage(cfg: ModelConfig, stage: int, n_stages: int, blocks: range, seed: int = 0,

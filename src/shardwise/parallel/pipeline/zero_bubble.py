@@ -4,12 +4,17 @@ Qi, Wan, Huang, Lin 2024, "Zero Bubble Pipeline Parallelism" (ICLR), §2: the ba
 layer ``y = x W^T + b`` is two independent computations -- ``B``, the gradient of the input
 ``dx = dy W`` that the previous stage waits for, and ``W``, the weight gradients ``dW = dy^T x`` and
 ``db = sum(dy)`` that only the optimizer needs. :func:`defer_linear_weight_grads` replaces the
-``forward`` of every ``nn.Linear`` in a module (on the instance, like
-:mod:`shardwise.parallel.recompute`, so names and state dicts are unchanged) by
-:class:`_DeferrableLinear`, whose backward returns ``dx`` at once and, while a
+``forward`` of every ``nn.Linear`` in a module -- and the local matmul (``local_linear``) of the
+tensor-parallel column / row layers (:mod:`shardwise.parallel.tensor.layers`; the vocabulary-parallel head
+is a column layer) -- on the instance, like :mod:`shardwise.parallel.recompute`, so names and state dicts
+are unchanged, by :class:`_DeferrableLinear`, whose backward returns ``dx`` at once and, while a
 :class:`WeightGradStore` is deferring, queues ``(x, dy)`` under the current micro-batch instead of
 computing ``dW``/``db``; :meth:`WeightGradStore.run` later computes and accumulates them into ``.grad``
-(the schedule's ``W`` action). Other parameters (norms, embeddings) get their gradients in ``B``.
+(the schedule's ``W`` action). Other parameters (norms, embeddings, a row layer's bias added after its
+reduction) get their gradients in ``B``. A deferred gradient passes through the hooks registered on its
+parameter (``Tensor.register_hook``, e.g. the tensor-parallel sum over replicated key/value heads) before
+it is accumulated, as autograd would pass it; such a hook's collective then runs in ``W``, at the same
+point of the schedule on every rank of the tensor-parallel group.
 
 The matmuls use the dtype autograd would: under ``torch.autocast`` the forward casts ``x`` and the
 weight exactly as ``F.linear`` does and saves the cast copies, so ``dW`` is computed in that dtype and
@@ -75,8 +80,16 @@ class WeightGradStore:
         return sum(len(q) for q in self._queues.values())
 
 
+@torch.no_grad()
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """Add ``grad`` into ``param.grad`` as autograd's AccumulateGrad would (first write stores it)."""
+    """Add ``grad`` into ``param.grad`` as autograd's AccumulateGrad would, outside autograd: through the
+    parameter's ``register_hook`` hooks first (autograd keeps a leaf's in ``_backward_hooks``: e.g. tensor
+    parallelism's sum over replicated key/value heads; ZeRO's hook, which already ran in ``B`` with no
+    gradient and made ``.grad`` a view of its flat buffer, is idempotent), then the first write stores it.
+    Outside autograd because that view was made without gradients."""
+    for hook in (getattr(param, "_backward_hooks", None) or {}).values():
+        out = hook(grad)
+        grad = grad if out is None else out
     grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad
@@ -120,16 +133,31 @@ class _DeferrableLinear(torch.autograd.Function):
 
 
 def defer_linear_weight_grads(module: nn.Module, store: WeightGradStore) -> int:
-    """Make every ``nn.Linear`` in ``module`` defer its weight gradients to ``store``; returns how many.
+    """Make every ``nn.Linear`` in ``module``, and every layer with a ``local_linear`` matmul (the
+    tensor-parallel column / row layers), defer its weight gradients to ``store``; returns how many.
 
     Idempotent per layer. Without gradients (evaluation) the layer runs its plain ``F.linear``."""
     count = 0
     for layer in module.modules():
-        if isinstance(layer, nn.Linear) and not getattr(layer, "_weight_grad_store", None):
-            layer._weight_grad_store = store
+        if getattr(layer, "_weight_grad_store", None):
+            continue
+        if isinstance(layer, nn.Linear):
             layer.forward = _deferrable_forward(layer, store)
-            count += 1
+        elif hasattr(layer, "local_linear"):
+            layer.local_linear = functools.partial(_deferrable_linear, store=store)
+        else:
+            continue
+        layer._weight_grad_store = store
+        count += 1
     return count
+
+
+def _deferrable_linear(x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None,
+                       store: WeightGradStore) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` whose weight gradients ``store`` may defer (a ``local_linear``)."""
+    if not torch.is_grad_enabled() or not weight.requires_grad:
+        return F.linear(x, weight, bias)
+    return _DeferrableLinear.apply(x, weight, bias, store)
 
 
 def _deferrable_forward(layer: nn.Linear, store: WeightGradStore):

@@ -27,25 +27,13 @@ def check(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     if p.tp > 1:
         check_tensor_parallel(m, p.tp)
-        if m.dropout > 0:
-            raise ConfigError(f"model.dropout={m.dropout} with parallel.tp={p.tp}: the tensor-parallel ranks would "
-                              "draw correlated dropout masks (no per-rank RNG tracker yet); use model.dropout=0")
-        if p.pp > 1 and p.sequence_parallel:
-            raise ConfigError(f"parallel.sequence_parallel=true with parallel.pp={p.pp}: stages exchange whole-"
-                              "sequence activations; sequence-split ones are not composed yet; use "
-                              "parallel.sequence_parallel=false")
-        if p.pp > 1 and p.pp_schedule == "zb-h1":
-            raise ConfigError(f"parallel.pp_schedule='zb-h1' with parallel.tp={p.tp}: the zero-bubble schedule "
-                              "defers nn.Linear weight gradients, not those of tensor-parallel layers; use '1f1b'")
-        if p.zero and p.zero_hpz > 1:
-            raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} with parallel.tp={p.tp}: hpZ's node groups span "
-                              "the whole world, not one tensor-parallel rank's replicas; use parallel.zero_hpz=1")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true splits the sequence over the tensor-parallel ranks, "
                           "but parallel.tp=1; set parallel.tp > 1 or parallel.sequence_parallel=false")
     if p.sequence_parallel and cfg.data.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel=true needs data.seq_len={cfg.data.seq_len} divisible by "
                           f"parallel.tp={p.tp}; use a multiple of {p.tp}")
-    if p.sequence_parallel and m.flavor == "bert":
-        raise ConfigError("parallel.sequence_parallel=True with model.flavor='bert' is not implemented yet (its "
-                          "token-type embeddings would need splitting along the sequence); use false")
+    if p.sequence_parallel and cfg.train.objective == "classify":
+        raise ConfigError("parallel.sequence_parallel=true with train.objective='classify': the classifier reads the "
+                          "[CLS] token, which only the first tensor-parallel rank's piece of the sequence holds; "
+                          "use parallel.sequence_parallel=false")

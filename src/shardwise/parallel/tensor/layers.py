@@ -172,8 +172,12 @@ class ColumnParallelLinear(nn.Module):
     With ``enter_region`` the layer moves its input into the region itself (f, or the sequence
     all-gather with ``sequence_parallel``); without, the caller already has (an :class:`EnterRegion`
     hook on the enclosing module). The output stays split over the last dim: it feeds a
-    :class:`RowParallelLinear` or a vocabulary-parallel loss, never a gather.
+    :class:`RowParallelLinear` or a vocabulary-parallel loss, never a gather. The local matmul is
+    :attr:`local_linear` (``F.linear``), which a zero-bubble schedule replaces to defer its weight gradients
+    (:func:`shardwise.parallel.pipeline.zero_bubble.defer_linear_weight_grads`).
     """
+
+    local_linear = staticmethod(F.linear)
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, stats: CommStats | None = None,
                  *, sequence_parallel: bool = False, enter_region: bool = True):
@@ -222,7 +226,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.entry is not None:
             x = self.entry.enter(x)
-        return F.linear(x, self.weight, self.bias)
+        return self.local_linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, local_out_features={self.out_features}, bias={self.bias is not None}"
@@ -231,7 +235,10 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``Y = sum_i X_i A_i^T + b``: this rank's columns ``A_i`` of the weight (its input features),
     applied to its slice ``X_i`` of the input; g (or the sequence reduce-scatter) sums the ranks'
-    partial products and the bias is added once, after the reduction (Shoeybi et al. 2019, §3)."""
+    partial products and the bias is added once, after the reduction (Shoeybi et al. 2019, §3). The local
+    matmul is :attr:`local_linear`, as in :class:`ColumnParallelLinear`."""
+
+    local_linear = staticmethod(F.linear)
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, stats: CommStats | None = None,
                  *, sequence_parallel: bool = False):
@@ -263,7 +270,7 @@ class RowParallelLinear(nn.Module):
         return cls(w, b, group, stats, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.local_linear(x, self.weight, None)
         if self.sequence_parallel:
             y = reduce_scatter_seq(y, self.group, self.stats)
         else:
@@ -343,8 +350,8 @@ class _SumOverAxis:
     def __init__(self, group, stats):
         self.group, self.stats = group, stats
 
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        return all_reduce_grad(grad, self.group, self.stats)
+    def __call__(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        return None if grad is None else all_reduce_grad(grad, self.group, self.stats)
 
 
 class _SumOverReplicas:
@@ -357,7 +364,9 @@ class _SumOverReplicas:
     def __init__(self, info: TPShard, group, stats):
         self.info, self.group, self.stats = info, group, stats
 
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+    def __call__(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        if grad is None:  # a zero-bubble backward deferred this weight's gradient to its W (which calls again)
+            return None
         full = grad.new_zeros(self.info.full_shape)
         full[self.info.full_index()] = grad[self.info.local_index()]
         full = all_reduce_grad(full, self.group, self.stats)

@@ -12,7 +12,8 @@ the model's code changing. The layout is Megatron's (Shoeybi et al. 2019, "Megat
 * token embedding vocabulary-parallel; ``lm_head`` column-parallel over the vocabulary (for GPT-2 the
   same Parameter as the embedding: the same rows, still tied), its logits consumed by the
   vocabulary-parallel cross-entropy (:mod:`shardwise.parallel.tensor.loss`), never gathered;
-* position embeddings and norms replicated.
+* position embeddings and norms replicated; a QK-norm's gain (one per head dimension, shared by the heads)
+  too, its gradient summed over the ranks' heads by a hook (:data:`PER_HEAD_NORMS`).
 
 Grouped-query attention (Ainslie et al. 2023): query head ``h`` uses key/value head
 ``h // (n_heads / n_kv_heads)``. With ``tp <= n_kv_heads`` rank r holds kv heads
@@ -63,7 +64,8 @@ STYLES = ("vocab_embedding", "positions", "region", "colwise", "colwise_kv", "ro
 """The tensor-parallel forms a module can take:
 
 * ``vocab_embedding``: :class:`VocabParallelEmbedding` (g, or the sequence reduce-scatter, at its output);
-* ``positions``: a learned position table, whole; with sequence parallelism :class:`SequenceParallelPositions`;
+* ``positions``: a table looked up per token (learned positions, bert's token types), whole; with sequence
+  parallelism :class:`SequenceParallelPositions` (the rows of the rank's tokens);
 * ``region``: the module's input enters the region once (:class:`EnterRegion` forward pre-hook);
 * ``colwise``: :class:`ColumnParallelLinear` inside a region (no collective of its own), an even split;
 * ``colwise_kv``: the same over key/value heads, replicated where tp > n_kv_heads;
@@ -73,6 +75,9 @@ STYLES = ("vocab_embedding", "positions", "region", "colwise", "colwise_kv", "ro
   :class:`VocabParallelLoss`;
 * ``replicate``: whole on every rank (norms).
 """
+
+PER_HEAD_NORMS = ("attn.q_norm.weight", "attn.k_norm.weight")
+"""Whole on every tp rank but applied to the rank's heads only: gradients summed over tp (``grad_sync="sum"``)."""
 
 _BLOCK_ATTN = {
     "blocks.*.norm1": "replicate",
@@ -107,10 +112,11 @@ PLANS: dict[str, dict[str, str]] = {
     "bert": {  # post-norm blocks: the sub-layer's input x enters the region (its norm comes after the residual)
         "tok_emb": "vocab_embedding",
         "pos_emb": "positions",
+        "type_emb": "positions",  # looked up per token, as the positions: with SP the rank's tokens' types
         **_BLOCK_ATTN,
         "blocks.*.mlp.fc_in": "colwise",
         "blocks.*.mlp.fc_out": "rowwise",
-        "lm_head": "vocab_head",  # token types, embedding norm, MLM transform, pooler, classifier: whole
+        "lm_head": "vocab_head",  # embedding norm, MLM transform, pooler, classifier: whole
     },
 }
 """Per model flavour: ``{module path pattern: style}`` (see :data:`STYLES`). Patterns match the
@@ -231,9 +237,11 @@ def apply_tensor_parallel(
         else:
             raise ValueError(f"tensor-parallel plan: unknown style {style!r} for {path!r}; use one of {STYLES}")
     seen: set[int] = set()
-    for p in model.parameters():  # everything not split is whole on every rank
+    for name, p in model.named_parameters():  # everything not split is whole on every rank
         if id(p) not in seen and getattr(p, "tp_shard", None) is None:
-            mark(p, replicated(p, axis, tp, rank, "sum" if sp else None))
+            # a per-head norm (QK-norm) sees only this rank's heads: its gradient is partial, like under SP
+            per_head = name.endswith(PER_HEAD_NORMS)
+            mark(p, replicated(p, axis, tp, rank, "sum" if sp or per_head else None))
         seen.add(id(p))
     install_grad_sync(model, group, stats)
     return model

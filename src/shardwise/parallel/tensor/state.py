@@ -99,6 +99,21 @@ def local_value(full: torch.Tensor, like: torch.Tensor, info) -> torch.Tensor:
     return info.take(full, like.shape[info.dim] if info.dim is not None else None)
 
 
+def read_local(state: Mapping, key: str, like: torch.Tensor, info) -> torch.Tensor:
+    """This rank's part of ``state[key]`` for a local tensor shaped like ``like``: a lazy state that can read rows
+    (``read_rows``: a checkpoint's, a transformers directory's) reads only this rank's rows, else the whole
+    tensor is read and cut."""
+    if info is None or info.dim is None or not hasattr(state, "read_rows") or \
+            state.ndim(key) != len(info.full_shape):
+        return local_value(state[key], like, info)
+    rows = state.read_rows(key, info.dim, info.start, info.stop)
+    if rows.shape[info.dim] == like.shape[info.dim]:
+        return rows
+    out = rows.new_zeros(like.shape)
+    out[info.local_index()] = rows
+    return out
+
+
 @torch.no_grad()
 def load_model(module: nn.Module, model_state: Mapping[str, torch.Tensor]) -> None:
     """Copy this rank's part of every tensor of the single-process ``model_state`` into ``module``."""
@@ -110,7 +125,7 @@ def load_model(module: nn.Module, model_state: Mapping[str, torch.Tensor]) -> No
     if missing:
         raise CheckpointError(f"checkpoint model does not match: missing {missing[:3]}")
     for key, local in own.items():
-        local.copy_(local_value(model_state[key], local, infos.get(key)))
+        local.copy_(read_local(model_state, key, local, infos.get(key)))
 
 
 def local_optimizer_state(params: list[nn.Parameter], state: Mapping[int, Mapping]) -> dict[int, dict]:
@@ -185,14 +200,29 @@ class LocalView(Mapping):
         return cls(full, lambda _key: like)
 
     def __getitem__(self, key):
-        value = self.full[key]
         like = self.like_of(key)
+        info = None if like is None else shard_info(like)
+        if info is not None and info.dim is not None and hasattr(self.full, "read_rows") and \
+                self.full.ndim(key) == len(info.full_shape):
+            return read_local(self.full, key, like, info)  # this rank's rows only
+        value = self.full[key]
         if like is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value
-        info = shard_info(like)
         if info is None or value.shape != torch.Size(info.full_shape):
             return value
         return local_value(value, like, info)
+
+    def ndim(self, key) -> int:
+        return self.full.ndim(key) if hasattr(self.full, "ndim") else self[key].dim()
+
+    def read_slice(self, key, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of this rank's flattened tensor ``key`` (a ZeRO shard's piece): read alone
+        from a lazy state when the tensor is whole here, else cut from this rank's rows."""
+        like = self.like_of(key)
+        info = None if like is None else shard_info(like)
+        if (info is None or info.dim is None) and hasattr(self.full, "read_slice"):
+            return self.full.read_slice(key, start, stop)
+        return self[key].reshape(-1)[start:stop]
 
     def __contains__(self, key) -> bool:
         return key in self.full and (self.keys_seen is None or key in self.keys_seen)

@@ -26,9 +26,9 @@ def check(cfg: Config) -> None:
     if p.zero_hpz != 1 and p.zero != 3:
         raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} partitions ZeRO-3's parameters within a node, "
                           f"but parallel.zero={p.zero}; set parallel.zero=3 or parallel.zero_hpz=1")
-    if p.dp % p.zero_hpz:
-        raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} does not divide parallel.dp={p.dp}; "
-                          f"use one of {divisors(p.dp)}")
+    if (p.dp * p.cp) % p.zero_hpz:  # ZeRO shards over dp x cp; hpZ's groups are consecutive ranks of it
+        raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} does not divide parallel.dp*cp={p.dp * p.cp}; "
+                          f"use one of {divisors(p.dp * p.cp)}")
 
 
 def check_param_dtype(cfg: Config) -> None:

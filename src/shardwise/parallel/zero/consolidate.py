@@ -65,11 +65,18 @@ def load_full_model_state(engine: ZeroDataParallel, state: dict[str, torch.Tenso
         name_of.setdefault(id(t), name)
     masters = master_of(engine)
     for u in engine.units:
-        flat = torch.zeros(u.padded_numel, dtype=torch.float32)
-        for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
-            flat[off:off + n].copy_(state[name_of[id(p)]].reshape(-1))
-        own = u.own_slice(flat).to(u.shard.device)
-        u.shard.copy_(own)
+        if engine.stage == 3 and not u.gathered:  # only this rank's slice is kept: read only its pieces
+            flat = None
+            own = u.shard if u.shard.dtype == torch.float32 else torch.empty(u.shard_numel, dtype=torch.float32)
+            _read_own_slice(u, own, state, name_of)  # fp32 shards: straight into the shard (masters copy it)
+            if own is not u.shard:
+                u.shard.copy_(own)
+        else:
+            flat = torch.zeros(u.padded_numel, dtype=torch.float32)
+            for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
+                flat[off:off + n].copy_(state[name_of[id(p)]].reshape(-1))
+            own = u.own_slice(flat).to(u.shard.device)
+            u.shard.copy_(own)
         engine.hpz.drop(u)
         if engine.stage < 3 or u.gathered:
             u.full.copy_(flat.to(u.full.device))
@@ -83,3 +90,17 @@ def load_full_model_state(engine: ZeroDataParallel, state: dict[str, torch.Tenso
         if id(t) not in params:
             t.data.copy_(state[name])
     return [], []
+
+
+def _read_own_slice(unit, own: torch.Tensor, state, name_of: dict[int, str]) -> None:
+    """Fill ``own`` (this rank's slice of ``unit``, fp32) from the state's tensors, piece by piece (``read_slice``
+    of a lazy state -- a checkpoint's, a transformers directory's -- reads only those elements); padding zero."""
+    own.zero_()
+    for pc in unit.pieces:
+        name = name_of[id(unit.params[pc.param_index])]
+        if hasattr(state, "read_slice"):
+            values = state.read_slice(name, pc.start, pc.stop)
+        else:
+            values = state[name].reshape(-1)[pc.start:pc.stop]
+        own[pc.shard_offset:pc.shard_offset + pc.numel].copy_(values)
+        del values

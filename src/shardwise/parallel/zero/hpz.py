@@ -126,10 +126,12 @@ class NodePartition:
         unit.secondary = None
 
     def nbytes(self, units: list[FlatUnit]) -> int:
-        """Capacity of the secondary partitions (every unit but the root, which stays gathered)."""
+        """Capacity of the secondary partitions (every unit but the root, which stays gathered, and the
+        expert units, sliced over their own replicas: they gather from their primary slices in backward too)."""
         if not self.enabled:
             return 0
-        return sum(self.secondary_numel(u) * u.full.element_size() for u in units[1:])
+        group = units[0].group
+        return sum(self.secondary_numel(u) * u.full.element_size() for u in units[1:] if u.group is group)
 
     def pop_traffic(self) -> dict[str, int]:
         out, self.traffic = self.traffic, dict.fromkeys(TRAFFIC_KEYS, 0)

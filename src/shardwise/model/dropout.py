@@ -1,0 +1,228 @@
+"""Dropout whose masks do not depend on how the work is split over processes.
+
+Dropout (Srivastava et al. 2014, "Dropout: A Simple Way to Prevent Neural Networks from Overfitting", JMLR
+15, §2) zeroes each activation with probability p and scales the others by 1 / (1 - p). Here the mask is a
+pure function of where an element sits in the *single-process* computation, drawn by the counter-based
+generator Philox4x32-10 (:mod:`shardwise.model.philox`; Salmon et al. 2011):
+
+* the key is ``(seed, step)`` (a :class:`DropoutKey`, handed to the model's ``forward`` by whoever runs it);
+* two counter words are the site: the block's ``layer`` id and which dropout of it (:data:`SITES`);
+* the other two are the element's global index ``g`` in the site's single-process tensor divided by 8:
+  each Philox call gives 128 bits, eight 16-bit uniforms, for elements ``8n .. 8n + 7``.
+
+The global index counts the sequence's place in the step's global batch first (the micro-batch's
+first sequence, :attr:`DropoutKey.first_sequence`, plus the row), then the site's own axes at their global
+extents: tokens and features for the embedding and the residual branches ``[B, T, D]``, heads, query and
+key positions for the attention probabilities ``[B, H, T, T]``, features for bert's classifier ``[B, D]``.
+
+On one process every local index is the global one. A process that holds a slice -- some heads (tensor
+parallelism), some tokens (sequence or context parallelism), some sequences (data parallelism, micro-
+batches), some layers (pipeline stages) -- is told so from outside: :attr:`Dropout.tokens` and
+:attr:`Attention.heads <shardwise.model.layers.Attention>` (a :class:`Span` each), the key's first
+sequence, the blocks' layer ids. It then draws exactly the mask one process draws for its elements, and
+nothing for the others: no full-size mask exists anywhere. Recomputation (activation checkpointing) is
+handed the same key and redraws the same mask.
+
+The keep probability is ``1 - p`` rounded to a multiple of 2^-16 (:func:`threshold`: p = 0.1 drops with
+probability 6554 / 65536 = 0.100006); the kept values are scaled by the inverse of the probability used,
+so every activation's expectation is unchanged. Without a key (a model called by code that does not give
+one: a user's script, the parameter server's workers, the torch peers of ``bench/``) the masks come from
+torch's generator, as ``nn.Dropout`` and ``scaled_dot_product_attention(dropout_p=...)`` draw them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.model.philox import WORD, philox4x32_
+
+SITES = {"embed": 0, "attn_out": 1, "mlp_out": 2, "attn_probs": 3, "classifier": 4}
+"""Which dropout of a layer a mask belongs to (a counter word): the embedding's, the attention and MLP
+residual branches', the attention probabilities', bert's classifier input's."""
+MODEL_LAYER = -1
+"""The layer id of the sites outside the blocks (embedding, classifier)."""
+LANES = 8
+"""16-bit uniforms per Philox call (four 32-bit words, two halves each)."""
+CHUNK = 1 << 15
+"""Philox calls per pass: the generator's working set (seven int64 tensors) stays in the CPU's cache."""
+
+
+@dataclass(frozen=True)
+class DropoutKey:
+    """Which draw: the run's ``seed`` (its low 32 bits), the optimizer ``step``, and ``first_sequence``, the
+    place in the step's global batch of the first sequence of the micro-batch the model is given."""
+
+    seed: int
+    step: int
+    first_sequence: int = 0
+
+    def shifted(self, sequences: int) -> DropoutKey:
+        """The key of the micro-batch that starts ``sequences`` sequences later in the same batch."""
+        return dataclasses.replace(self, first_sequence=self.first_sequence + sequences)
+
+
+@dataclass(frozen=True, eq=False)
+class Span:
+    """Which entries of a global axis of length ``extent`` a process holds: ``index`` (int64), the global
+    index of each local entry, in local order."""
+
+    index: torch.Tensor
+    extent: int
+
+    @classmethod
+    def whole(cls, n: int, device=None) -> Span:
+        """All ``n`` entries: what one process holds."""
+        return cls(torch.arange(n, device=device), n)
+
+
+def threshold(p: float) -> int:
+    """A 16-bit uniform ``u`` drops its element when ``u < threshold(p)`` (at most 65535: one value keeps)."""
+    return min(round(p * 65536), 65535)
+
+
+def keep_scale(p: float) -> float:
+    """The factor of the kept elements: the inverse of the keep probability :func:`threshold` gives."""
+    return 65536 / (65536 - threshold(p))
+
+
+@torch.compiler.disable  # under torch.compile: drawn eagerly (TorchInductor cannot build CPU code for its integer ops)
+def keep_mask(p: float, key: DropoutKey, layer: int, site: str, index: Sequence[torch.Tensor],
+              extents: Sequence[int], causal: bool = False) -> torch.Tensor:
+    """The keep mask (bool, ``[len(i) for i in index]``) of the elements at global ``index``: ``index[0]``
+    the sequences' places in the global batch, ``index[j]`` the global indices along axis ``j`` of the
+    site's tensor, whose global length is ``extents[j - 1]``. Element ``(i_0, .., i_n)`` has the global
+    index ``(..((i_0 e_1 + i_1) e_2 + i_2)..) e_n + i_n``.
+
+    ``causal``: the last two axes are query and key positions and only keys at or before their query are
+    read (causal attention, whose probabilities elsewhere are zero): the others come back False, and the
+    Philox calls that hold none of the read ones are skipped (half of a causal attention's)."""
+    shape = [len(i) for i in index]
+    last, e_last = index[-1], extents[-1]
+    read = (last.unsqueeze(0) <= index[-2].unsqueeze(1)) if causal else None  # [queries, keys]
+    if _aligned(last, e_last):  # every 8 local elements along the last axis are one Philox call's
+        blocks = _linear([*index[:-1], last[::LANES] // LANES], [*extents[:-1], e_last // LANES]).flatten()
+        if read is None:
+            return _keep_blocks(blocks, p, key, layer, site).view(shape)
+        calls = read[:, ::LANES].expand(*shape[:-1], shape[-1] // LANES).flatten().nonzero().squeeze(1)
+        keep = torch.zeros(len(blocks), dtype=torch.int64, device=blocks.device)  # a call's 8 bools as one int64
+        keep[calls] = _keep_blocks(blocks[calls], p, key, layer, site).view(torch.int64).squeeze(1)
+        return keep.view(torch.bool).view(shape) & read  # (a call is read when its first, earliest key is)
+    g = _linear(index, extents).flatten()  # otherwise: each element's call, and its lane of the eight
+    keep = _keep_blocks(g // LANES, p, key, layer, site).gather(1, (g % LANES).unsqueeze(1)).view(shape)
+    return keep if read is None else keep & read
+
+
+def _aligned(last: torch.Tensor, extent: int) -> bool:
+    n = len(last)
+    if extent % LANES or n % LANES:
+        return False
+    runs = last.view(-1, LANES)
+    return bool(((runs[:, 0] % LANES == 0) & (runs == runs[:, :1] + torch.arange(LANES, device=last.device)).all(1))
+                .all())
+
+
+def _linear(index: Sequence[torch.Tensor], extents: Sequence[int]) -> torch.Tensor:
+    g = index[0].to(torch.int64)
+    for idx, extent in zip(index[1:], extents, strict=True):
+        g = g.unsqueeze(-1) * extent + idx.to(g.device, torch.int64)
+    return g
+
+
+def _keep_blocks(blocks: torch.Tensor, p: float, key: DropoutKey, layer: int, site: str) -> torch.Tensor:
+    """``[n, 8]`` bool: the keep decisions of the eight elements of each Philox call ``blocks[i]``."""
+    n, thr = len(blocks), threshold(p)
+    out = torch.empty(n, 4, 2, dtype=torch.bool, device=blocks.device)
+    for start in range(0, n, CHUNK):
+        b = blocks[start:start + CHUNK]
+        counter = [b & WORD, b >> 32, torch.full_like(b, layer & WORD), torch.full_like(b, SITES[site])]
+        for j, word in enumerate(philox4x32_(counter, (key.seed, key.step))):
+            rows = out[start:start + len(b), j]
+            torch.ge(word & 0xFFFF, thr, out=rows[:, 0])  # the low half of each word
+            torch.ge(word, thr << 16, out=rows[:, 1])  # the high half
+    return out.view(n, LANES)
+
+
+def apply_keep(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """``x`` with the dropped elements zeroed and the kept ones scaled (autograd keeps only the bool mask)."""
+    return (x * keep_scale(p)).where(keep, 0.0)
+
+
+class Dropout(nn.Module):
+    """The dropout at one ``site`` of layer ``layer`` (:data:`MODEL_LAYER` outside the blocks), on ``x`` of
+    ``[B, T, D]`` (embedding, residual branches) or ``[B, D]`` (bert's classifier).
+
+    :attr:`tokens` says which tokens of the sequence ``x``'s ``T`` are (None: all of them, in order) -- set
+    from outside by a technique that splits the sequence."""
+
+    def __init__(self, p: float, site: str, layer: int = MODEL_LAYER):
+        super().__init__()
+        if site not in SITES:
+            raise ValueError(f"dropout site {site!r} is not one of {', '.join(SITES)}")
+        self.p, self.site, self.layer = p, site, layer
+        self.tokens: Span | None = None
+
+    def forward(self, x: torch.Tensor, dropout_key: DropoutKey | None = None) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        if dropout_key is None:
+            return F.dropout(x, self.p, training=True)
+        seqs = dropout_key.first_sequence + torch.arange(x.shape[0], device=x.device)
+        features = torch.arange(x.shape[-1], device=x.device)
+        if x.dim() == 2:
+            index, extents = [seqs, features], [x.shape[-1]]
+        else:
+            tokens = self.tokens or Span.whole(x.shape[1], x.device)
+            if len(tokens.index) != x.shape[1]:
+                raise ValueError(f"dropout at {self.site} of layer {self.layer}: {x.shape[1]} tokens, but this "
+                                 f"process was told it holds {len(tokens.index)}")
+            index, extents = [seqs, tokens.index, features], [tokens.extent, x.shape[-1]]
+        return apply_keep(x, keep_mask(self.p, dropout_key, self.layer, self.site, index, extents), self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, site={self.site}, layer={self.layer}"
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionDropout:
+    """The dropout of one attention call's probabilities: ``p``, the ``key``, the ``layer``, and ``heads``
+    (the global ids of the query heads the call computes). An attention core draws the mask of any block of
+    queries and keys it computes with :meth:`keep`."""
+
+    p: float
+    key: DropoutKey
+    layer: int
+    heads: Span
+
+    def keep(self, batch: int, queries: torch.Tensor, keys: torch.Tensor, seq_len: int,
+             heads: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        """``[batch, H, len(queries), len(keys)]`` bool for query and key positions (global, in a sequence of
+        ``seq_len``) of ``heads`` (global ids; default all of :attr:`heads`); ``causal``: keys after their
+        query are not drawn (False: their probabilities are zero), see :func:`keep_mask`."""
+        seqs = self.key.first_sequence + torch.arange(batch, device=queries.device)
+        index = [seqs, self.heads.index if heads is None else heads, queries, keys]
+        return keep_mask(self.p, self.key, self.layer, "attn_probs", index, [self.heads.extent, seq_len, seq_len],
+                         causal)
+
+
+def dropped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, p: float, *,
+                      causal: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention (Vaswani et al. 2017, eq. 1) of ``q [B, H, T, d]`` over ``k, v [B, Hkv, S, d]`` with
+    the drawn ``keep [B, H, T, S]`` applied to the probabilities (``scaled_dot_product_attention`` can only
+    draw its own). ``causal``: the top-left aligned triangle; ``mask`` (bool, True = may attend) otherwise."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # grouped-query attention: query head h uses key/value head h // rep
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        t, s = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(t, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.float().softmax(-1).to(v.dtype)
+    return torch.matmul(apply_keep(probs, keep, p), v)
