@@ -153,9 +153,22 @@ def cmd_train(args, overrides: dict[str, str]) -> int:
     return 0
 
 
+def check_generate_flags(args) -> None:
+    """ConfigError naming the flag when a value of ``shardwise generate`` cannot be sampled with."""
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
+    if args.top_k < 1:
+        raise ConfigError(f"--top-k {args.top_k}: give at least 1 (1 = greedy; the vocabulary size = no cut)")
+    if not args.temperature >= 0:
+        raise ConfigError(f"--temperature {args.temperature}: give 0 (greedy) or more")
+    if args.prompt is not None and any(p == "" for p in args.prompt):
+        raise ConfigError('--prompt "": every prompt needs at least one character to continue')
+
+
 def cmd_generate(args, _overrides) -> int:
     from shardwise.generate_run import generate_from_run
 
+    check_generate_flags(args)
     prompts = args.prompt or ["def "]
     timing: dict = {}
     texts = generate_from_run(args.run_dir, prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed,
@@ -170,7 +183,9 @@ def cmd_generate(args, _overrides) -> int:
 
 def cmd_export(args, _overrides) -> int:
     from shardwise.hf.export import export_run
+    from shardwise.run_dir import check_path
 
+    check_path(args.out_dir, "OUT_DIR")
     out = export_run(args.run_dir, args.out_dir, args.checkpoint, args.dtype, args.max_shard_size)
     weights = sorted(p.name for p in out.glob("model*.safetensors"))
     what = weights[0] if len(weights) == 1 else f"{len(weights)} weight shards and their index"

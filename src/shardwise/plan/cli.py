@@ -169,10 +169,11 @@ def _run(args, overrides: dict[str, str]) -> int:
                            efficiency=args.efficiency)
     catalogue = load_catalogue(args.hardware)
     gpu = find_gpu(args.gpu, catalogue)
-    gpn = args.gpus_per_node or cfg.parallel.nproc or 8
-    nodes = args.nodes or cfg.parallel.nnodes
-    if gpn < 1 or nodes < 1:
-        raise ConfigError("--gpus-per-node and --nodes must be positive")
+    gpn = args.gpus_per_node if args.gpus_per_node is not None else (cfg.parallel.nproc or 8)
+    nodes = args.nodes if args.nodes is not None else cfg.parallel.nnodes
+    for flag, value in (("--gpus-per-node (cluster.gpus_per_node)", gpn), ("--nodes (cluster.nodes)", nodes)):
+        if value < 1:  # 0 is not "the default": say so rather than plan another cluster
+            raise ConfigError(f"{flag}={value} must be a positive integer")
     if not 0 < args.efficiency <= 1 or not 0 <= args.overlap <= 1 or not 0 < args.memory_fraction <= 1:
         raise ConfigError("--efficiency and --memory-fraction must be in (0, 1], --overlap in [0, 1]")
     if args.call_latency_us < 0:

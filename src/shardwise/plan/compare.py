@@ -30,7 +30,7 @@ from shardwise.plan.memory import (
 )
 from shardwise.plan.params import count_params
 from shardwise.plan.spec import Layout, model_spec, seq_len_of
-from shardwise.plan.zero_layout import model_params
+from shardwise.plan.tensors import even_stage_blocks, model_params
 from shardwise.train.metrics import read_metrics
 
 
@@ -128,16 +128,13 @@ def step_times(cfg: Config, gpu: str, hardware: str | None, efficiency: float) -
 
 
 def _rank0_blocks(cfg: Config) -> set[int]:
-    """Blocks global rank 0 holds: all of them, or its pipeline stages' (chunks c * pp) by the trainer's
-    partition (parallel.pp_partition)."""
+    """Blocks global rank 0 holds: all of them, or those of its pipeline chunks c * pp (Narayanan et al. 2021
+    §2.2.2) under the planner's even split (:func:`~shardwise.plan.tensors.even_stage_blocks`; a partition
+    balanced by parameters or FLOPs, ``parallel.pp_partition``, may cut elsewhere)."""
     p = cfg.parallel
     if p.pp == 1:
         return set(range(cfg.model.n_layers))
-    from shardwise.parallel.pipeline.checks import pipeline_partition
-    from shardwise.parallel.pipeline.partition import partition
-
-    method, boundaries = pipeline_partition(p.pp_partition)
-    split = partition(cfg.model, p.pp * p.pp_virtual, method, boundaries, seq_len=cfg.data.seq_len)
+    split = even_stage_blocks(cfg.model.n_layers, p.pp * p.pp_virtual)
     return {b for c in range(p.pp_virtual) for b in split[c * p.pp]}
 
 
@@ -157,23 +154,15 @@ def tensor_parallel_bytes(items, lay: Layout, s: int, d_model: int, act_bytes: i
 
 def tp_grad_sync_bytes(m, lay: Layout) -> float:
     """Bytes of the gradient all-reduces tensor parallelism adds per step, one per parameter and backward
-    pass (micro-batch), fp32: with sequence parallelism every parameter the plan leaves whole (norms,
+    pass (micro-batch), fp32: with sequence parallelism every tensor Megatron leaves whole (norms,
     row-parallel biases, the position table) has a partial gradient summed over tp (Korthikanti et al.
     2022 §4.2.2); where tp > n_kv_heads the replicated key/value projections' gradients are summed at their
-    full size. Which modules are split is the plan's table (:data:`shardwise.parallel.tensor.plan.PLANS`)."""
-    from shardwise.parallel.tensor.plan import PLANS, style_of
-
+    full size. Which tensors are split is the planner's (:mod:`shardwise.plan.tensors`, Shoeybi et al. 2019
+    §3)."""
     if lay.tp == 1:
         return 0.0
-    plan = PLANS[m.flavor]
-    split = {"vocab_embedding", "colwise", "colwise_kv", "vocab_head"}
-    total = 0
-    for p in model_params(m):
-        module, _, kind = p.name.rpartition(".")
-        style = style_of(plan, module)
-        whole = style not in split and not (style == "rowwise" and kind == "weight")
-        if (whole and lay.sequence_parallel) or (style == "colwise_kv" and lay.tp > m.n_kv_heads):
-            total += p.numel * 4
+    total = sum(p.numel * 4 for p in model_params(m)
+                if (p.split == "whole" and lay.sequence_parallel) or (p.split == "column_kv" and lay.tp > m.n_kv_heads))
     return float(total * lay.grad_accum)
 
 

@@ -55,30 +55,35 @@ class Stage3Hooks:
                 return
             phase = "backward" if self._in_backward else "forward"
             if phase == "backward" and unit.secondary is not None:
-                unit.gather_work = self.hpz.gather(unit)
+                unit.gather_work = self.hpz.gather(unit, self.direct_exchange, on_send=self.comm_stats.send)
                 unit.after_gather = self.hpz.drop
-                self.comm_stats.hand(nbytes(unit.full), backend=True)
+                self.comm_stats.hand(nbytes(unit.full), backend=not self.direct_exchange)
             else:
+                dense = unit.group is self.group  # expert units, sliced over their replicas, keep no secondary
+                traffic = phase if dense else None  # the node traffic: the data-parallel group's gathers
                 if self.quant_weights:
                     unit.gather_work, handed = all_gather_int8(unit.full, unit.shard, unit.group)
+                    if dense:
+                        self.hpz.unmeasured(handed)
                 else:
-                    unit.gather_work = self._all_gather_work(unit, unit.shard)
+                    unit.gather_work = self._all_gather_work(unit, unit.shard, traffic)
                     handed = nbytes(unit.full)
                 self.comm_stats.hand(handed, backend=self.quant_weights or not self.direct_exchange)
-                dense = unit.group is self.group  # expert units, sliced over their replicas, keep no secondary
-                if dense:
-                    self.hpz.count(unit, phase, within_node=False, nbytes=handed)
                 keep = self.hpz.enabled and dense and phase == "forward" and unit.index > 0 and torch.is_grad_enabled()
                 unit.after_gather = self.hpz.keep if keep else None
         if wait and unit.gather_work is not None:
             self._finish_gather(unit)
 
-    def _all_gather_work(self, unit: FlatUnit, shard: torch.Tensor | None):
+    def _all_gather_work(self, unit: FlatUnit, shard: torch.Tensor | None, phase: str | None = None):
         """Launch the all-gather of ``shard`` (``None``: the own slice of ``unit.full``, in place) into
-        ``unit.full``: a direct exchange on gloo (:mod:`.exchange`), the backend's collective otherwise."""
+        ``unit.full``: a direct exchange on gloo (:mod:`.exchange`), the backend's collective otherwise.
+        A gather of ZeRO-3's ``phase`` ("forward", "backward") adds its messages to the node traffic."""
         if self.direct_exchange:
             return exchange.all_gather(unit.full, unit.group, shard, tag=exchange.TAG + 2 * unit.index + 1,
-                                       on_send=self.comm_stats.send)
+                                       on_send=self.comm_stats.send,
+                                       on_send_to=self.hpz.counter(phase) if phase else None)
+        if phase:
+            self.hpz.unmeasured(nbytes(unit.full))
         if shard is None:
             shard = unit.shard.clone()
         return dist.all_gather_single(unit.full, shard, group=unit.group, async_op=True)

@@ -191,7 +191,8 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, PipelineFlush, nn.Module):
         report = node_size or hpz_size
         if self.world % report:
             raise ValueError(f"node_size={report} must divide the data-parallel size {self.world}")
-        self.hpz = NodePartition(hpz_group if hpz_size > 1 else None, report, self.world)
+        self.hpz = NodePartition(hpz_group if hpz_size > 1 else None, report, self.world,
+                                 dist.get_process_group_ranks(group) if group is not None else None)
         self._sync = True
         src = dist.get_global_rank(group, broadcast_from) if group is not None else broadcast_from
         named: list[tuple[str, nn.Parameter]] = []
@@ -398,8 +399,9 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, PipelineFlush, nn.Module):
         return missing, unexpected
 
     def pop_gather_traffic(self) -> dict[str, int]:
-        """Bytes this rank received in parameter gathers since the last call, by phase and by
-        whether they came from its node (``node_size`` ranks) or crossed a node boundary."""
+        """Bytes this rank sent in parameter gathers since the last call, by phase and by whether they
+        went to its node (``node_size`` ranks) or crossed a node boundary, counted at every send; and
+        ``backend_gather_bytes``, handed to gathers the backend runs (:mod:`.hpz`)."""
         return self.hpz.pop_traffic()
 
     def model_state_bytes(self) -> dict[str, int]:
