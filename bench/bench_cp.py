@@ -9,7 +9,8 @@ sequence. Measured per rank, reported for the busiest one:
 * activation memory: the bytes autograd saved for backward in one step (each storage once, counted by a
   ``saved_tensors_hooks`` pack hook -- bench_tp.py's probe -- parameters left out); target: falls as 1/cp;
 * median step time (slowest rank), the bytes handed to the cp axis per step (the counting layer) and the
-  attention work balance (``cp_attn_imbalance``, 1.0 with head-tail).
+  attention work balance: counted (``cp_attn_tile_imbalance``, 1.0 with head-tail) and measured by the clock
+  around the blocks (``cp_attn_time_imbalance``).
 
 The peer: ``torch.distributed.tensor.experimental.context_parallel`` on the same model and batch (its
 ring attention dispatches torch's fused SDPA kernels); when it raises on this backend the error is
@@ -148,7 +149,8 @@ def _worker(rank: int, args, port: int, cp: int, seq: int, queue) -> None:
             times.append(seconds)
     result = {"cp": cp, "seq_len": seq, "step_s_median": statistics.median(times), "step_s": times,
               "saved_bytes_max": _max(probe.total), "cp_sent_bytes_max": _max(sent),
-              "cp_attn_imbalance": work.get("cp_attn_imbalance", 1.0)}
+              "cp_attn_tile_imbalance": work.get("cp_attn_tile_imbalance", 1.0),
+              "cp_attn_time_imbalance": work.get("cp_attn_time_imbalance", 1.0)}
     if cp > 1 and args.peer:
         result["torch_context_parallel"] = _torch_peer(cfg, mesh, x, y, args)
     if rank == 0:

@@ -119,3 +119,13 @@ def test_classify_in_a_pipeline_equals_one_process(tmp_path, cache_dir):
     single = run(tmp_path, cache_dir, "cls1", 1, **cls)
     pipe = run(tmp_path, cache_dir, "cls-pp2", 2, **cls, **{"parallel.pp": 2, "parallel.microbatches": 2})
     assert_same_training(pipe, single, atol=1e-5)
+
+
+def test_mlm_with_experts_under_ep_and_sequence_parallelism_equals_one_process(tmp_path, cache_dir):
+    """A mixture-of-experts BERT (exact-GELU experts, post-norm blocks): ep 2 and tp 2 + SP (each tp rank routes
+    its share of every sequence; the router losses are the whole sequence's) train what one process trains."""
+    moe = {**BERT, "model.n_experts": 4, "train.grad_clip": 0}
+    single = run(tmp_path, cache_dir, "bert-moe1", 1, **moe)
+    assert_same_training(run(tmp_path, cache_dir, "bert-moe-ep2", 2, **moe, **{"parallel.ep": 2}), single, atol=1e-5)
+    sp = {"parallel.tp": 2, "parallel.sequence_parallel": True}
+    assert_same_training(run(tmp_path, cache_dir, "bert-moe-sp", 2, **moe, **sp), single, atol=1e-5)

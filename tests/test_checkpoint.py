@@ -199,7 +199,7 @@ def test_crash_mid_write_leaves_previous(tmp_path, monkeypatch):
         return real_save(tensors, filename, metadata=metadata)
 
     monkeypatch.setattr(ckpt, "save_file", failing_save)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(CheckpointError, match=r"cannot write .*/optim.safetensors: disk full \(simulated\)"):
         save_checkpoint(tmp_path, 2, {"model": {"w": torch.ones(4)}, "optim": {"m": torch.ones(4)}}, {}, keep=5)
     monkeypatch.undo()
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000001"]

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.train.metrics import read_metrics
+
 TINY = [
     "--model.preset", "tiny", "--data.max_bytes", "300000", "--data.seq_len", "32",
     "--train.steps", "8", "--train.global_batch", "8", "--train.eval_every", "4", "--ckpt.every", "4",
@@ -37,12 +39,13 @@ def test_train_generate_plot(tmp_path):
     proc = shardwise("train", *TINY, "--parallel.nproc", "2", "--run.dir", "runs/e2e", cwd=tmp_path, cache=cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "runs" / "e2e"
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)  # one record per step (a checkpoint's times merged into its step's)
     assert [r["step"] for r in records] == list(range(0, 9))
     assert set(records[0]) == {"step", "val_loss"}, "step 0: the untrained model's validation loss"
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
         assert key in records[1]
     assert "val_loss" in records[4] and "val_loss" in records[8]
+    assert "ckpt_stall_s" in records[4] and "ckpt_write_s" in records[8]
     assert (run_dir / "config.toml").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]
     assert any((run_dir / "tb").iterdir())
@@ -70,8 +73,8 @@ def test_torchrun_entry(tmp_path):
            "--train.steps", "3", "--run.dir", "runs/tr", "--data.cache_dir", str(tmp_path / "cache")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = (tmp_path / "runs" / "tr" / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 4  # step 0 (validation of the untrained model) and steps 1-3
+    records = read_metrics(tmp_path / "runs" / "tr")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]  # step 0: validation of the untrained model
 
 
 INTERRUPTED = re.compile(r"interrupted at step (\d+); the newest checkpoint is step (\d+) -- "
@@ -103,8 +106,6 @@ def _interrupt_once_trained(cmd: list[str], cwd: Path, run_dir: Path, past: int)
 def test_ctrl_c_says_where_the_run_stood_and_how_to_continue(tmp_path):
     """Ctrl-C during `shardwise train` (2 workers): exit 130 and one line naming the last step, the
     newest checkpoint and the command that resumes; that command resumes from that checkpoint."""
-    from shardwise.train.metrics import read_metrics
-
     run_dir = tmp_path / "runs" / "ctrl-c"
     cmd = [sys.executable, "-m", "shardwise.cli", "train", *TINY, "--train.steps", "500", "--ckpt.every", "2",
            "--parallel.nproc", "2", "--run.dir", "runs/ctrl-c", "--data.cache_dir", str(tmp_path / "cache")]
@@ -140,5 +141,4 @@ def test_resuming_with_other_steps_says_the_schedule_changes(tmp_path):
     warned = [line for line in more.stdout.splitlines() if "learning-rate schedule" in line]
     assert warned == ["resuming step 4 with train.steps=6 (was 4): the learning-rate schedule after step 4 "
                       "differs from the original run's"], more.stdout[-3000:]
-    steps = [json.loads(line)["step"] for line in (tmp_path / "runs/r/metrics.jsonl").read_text().splitlines()]
-    assert steps[-2:] == [5, 6]
+    assert [r["step"] for r in read_metrics(tmp_path / "runs/r")] == list(range(0, 7))

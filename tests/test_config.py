@@ -68,7 +68,7 @@ def test_any_two_batch_fields_set_the_third(given, expected):
         ({"parallel.sequence_parallel": "true", "parallel.tp": "2", "parallel.nproc": "2", "data.seq_len": "127",
           "model.max_seq_len": "128"}, "needs data.seq_len=127 divisible by parallel.tp=2"),
         ({"train.precision": "fp8"}, "train.precision='fp8' is not valid; use one of 'fp32', 'bf16', 'fp16'"),
-        ({"train.steps": "ten"}, "train.steps='ten' is not a int"),
+        ({"train.steps": "ten"}, "train.steps='ten' is not an integer"),
     ],
 )
 def test_invalid_values_name_the_field_and_what_is_valid(overrides, fragment):

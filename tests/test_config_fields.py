@@ -142,7 +142,7 @@ def test_none_is_text_for_a_text_field_and_unsets_an_optional_one(capsys):
     assert (cfg.train.recompute, cfg.parallel.offload) == ("none", "none")
     assert (cfg.model.flavor, cfg.train.global_batch) == (None, None)
     assert (cfg.run.dir, cfg.data.cache_dir) == ("1e3", "true"), "text fields keep the text as typed"
-    with pytest.raises(ConfigError, match=r"train.steps='none' is not a int"):
+    with pytest.raises(ConfigError, match=r"train.steps='none' is not an integer"):
         Config.load(overrides={"train.steps": "none"})
     assert main(["config", "show", "--train.recompute", "none", "--parallel.offload", "none"]) == 0
     assert 'recompute = "none"' in capsys.readouterr().out

@@ -160,16 +160,18 @@ def test_context_parallel_equals_one_process(references, tmp_path, cache_dir, na
         assert meas["comm_bytes"] == pred["comm_bytes"]
     if cfg.parallel.cp_algorithm == "ring":
         assert meas["cp_attn_act_bytes"] == pred["cp_attn_act_bytes"]
-    last = read_metrics(tmp_path / name)[-1]
+    last = [r for r in read_metrics(tmp_path / name) if "loss" in r][-1]  # the last step's (a checkpoint's follows)
     assert "cp_attn_tiles" in last
     cp = overrides["parallel.cp"]
     assert last["cp_sent_bytes"] > 0
     if name == "ring2":  # 2 layers x 1 micro-batch, 2cp tiles each
         assert last["cp_attn_tiles"] == 2 * 2 * cp
     if overrides.get("parallel.cp_balance") == "none":  # contiguous causal: rank r does 4r + 2 tiles
-        assert last["cp_attn_imbalance"] == pytest.approx(2 * cp - 1)
+        assert last["cp_attn_tile_imbalance"] == pytest.approx(2 * cp - 1)
     else:  # head-tail (and Ulysses, which attends every token on 1/cp of the heads): the same work everywhere
-        assert last["cp_attn_imbalance"] == pytest.approx(1.0)
+        assert last["cp_attn_tile_imbalance"] == pytest.approx(1.0)
+    # the clock around the blocks: measured on every rank (its ratio is noise on a shared machine, not tested)
+    assert 0 < last["cp_attn_s_min"] <= last["cp_attn_s"] <= last["cp_attn_s_max"]
 
 
 def test_context_parallel_checkpoint_resumes_on_data_parallel(references, tmp_path, cache_dir):

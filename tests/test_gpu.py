@@ -13,7 +13,13 @@ and all-gather on CUDA tensors, which torch's backend table lists as unsupported
 References are the same runs on the CPU (fp32; the GPU's matmuls and attention kernels sum in
 another order, so losses agree to 2e-3 and weights to 1e-2 rather than exactly), and the GPU
 data-parallel run for the other engines on the GPU (1e-4: the same kernels, another optimizer
-implementation for offloaded masters).
+implementation for offloaded masters). The tensor-, context- and expert-parallel cases and MoE are held
+to 1e-5 against the same layout on the CPU, in fp32 with TF32 off (``NVIDIA_TF32_OVERRIDE=0`` for spawned
+workers, highest matmul precision in-process): tp 2 on two gloo ranks sharing one GPU (its collectives are
+all-reduces, which gloo runs on CUDA tensors), MoE on one NCCL rank, and -- where there are two GPUs --
+tp 2 with sequence parallelism, ring cp 2 and ep 2 on two NCCL ranks through the CLI. Ring attention, our
+pairwise all-to-all and the parameter server use point-to-point, which gloo runs on CPU tensors only:
+the config refuses them with ``run.device='cuda'`` on gloo.
 """
 
 from __future__ import annotations
@@ -37,6 +43,17 @@ GPU = {"run.device": "cuda", "parallel.backend": "nccl"}
 CPU_FROM_GPU = (2e-3, 1e-2)
 """(loss, weight) tolerances of a GPU run against the same run on the CPU."""
 SAME_DEVICE = 1e-4
+STRICT_FP32 = 1e-5
+"""Loss and weight tolerance of a GPU run against the same layout on the CPU in fp32 with TF32 off."""
+NO_TF32 = {"NVIDIA_TF32_OVERRIDE": "0"}
+"""For spawned workers: cuBLAS and cuDNN without TF32, whatever torch's flags say."""
+
+
+def strict_fp32() -> None:
+    """This process's matmuls and convolutions in full fp32 (no TF32)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +70,7 @@ def _train_gpu(cfg, run_dir: str, stop_after=None):
 
     from shardwise.train.loop import train
 
+    strict_fp32()
     result = train(cfg, Path(run_dir), collect_state=True, stop_after=stop_after)
     return result.losses, result.state_dict, dist.get_backend_config()
 
@@ -174,6 +192,60 @@ def _cuda_tensors_in_harness() -> str:
 
 def test_harness_guard_lets_cuda_tensors_through_gloo():
     assert run_on_ranks(2, _cuda_tensors_in_harness) == ["cuda:0", "cuda:0"]
+
+
+def test_moe_on_one_nccl_rank_equals_the_cpu(nccl_process, tmp_path, cache_dir):
+    """The mixture-of-experts model (router, stacked experts, aux and z losses) on the GPU: the CPU's losses
+    and weights within 1e-5 (fp32, no TF32)."""
+    moe = {"model.preset": "tiny-moe", "train.steps": 6}
+    cpu = run(tmp_path, cache_dir, "moe-cpu", 1, **moe)
+    gpu = on_gpu(nccl_process, tmp_path, cache_dir, "moe-gpu", **moe)
+    assert_close(gpu, cpu, STRICT_FP32, STRICT_FP32)
+
+
+def _train_strict(cfg, run_dir: str):
+    """Harness rank body: train in full fp32 (no TF32); rank 0's (losses, weights)."""
+    from tests.test_train import _train_on_rank
+
+    strict_fp32()
+    return _train_on_rank(cfg, run_dir)
+
+
+def test_tensor_parallel_with_cuda_tensors_equals_the_cpu(tmp_path, cache_dir):
+    """tp 2 on two gloo ranks sharing the GPU (Megatron's f and g, the vocabulary-parallel embedding and loss:
+    all-reduces, which gloo runs on CUDA tensors) against tp 2 on the CPU: 1e-5."""
+    tp = {"parallel.tp": 2, "train.steps": 6}
+    cpu = run(tmp_path, cache_dir, "tp-cpu", 2, **tp)
+    cfg = make_config(tmp_path / "tp-gpu", cache_dir, 2, **tp, **{"run.device": "cuda", "parallel.backend": "gloo"})
+    gpu = run_on_ranks(2, _train_strict, cfg, str(tmp_path / "tp-gpu"))[0]
+    assert_close(gpu, cpu, STRICT_FP32, STRICT_FP32)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL with two ranks needs two GPUs")
+@pytest.mark.parametrize("layout", [
+    {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
+    {"parallel.cp": 2, "parallel.cp_algorithm": "ring"},
+    {"parallel.cp": 2, "parallel.cp_algorithm": "ulysses"},
+    {"model.preset": "tiny-moe", "parallel.ep": 2},
+], ids=["tp2-sp", "cp2-ring", "cp2-ulysses", "ep2-moe"])
+def test_two_nccl_ranks_equal_the_same_layout_on_the_cpu(tmp_path, cache_dir, layout):
+    """Tensor (with sequence parallelism), context (ring, Ulysses) and expert parallelism on two NCCL ranks, as a
+    user starts them, against the same layout on two CPU ranks: losses and final weights within 1e-5."""
+    from shardwise.train.checkpoint import list_checkpoints
+    from shardwise.train.metrics import read_metrics
+    from shardwise.train.state import open_checkpoint
+
+    layout = {**layout, "train.steps": 6}
+    losses, weights, _ = run(tmp_path, cache_dir, "cpu", 2, **layout)
+    run_dir = tmp_path / "gpu"
+    make_config(run_dir, cache_dir, 2, **layout)  # run_dir/config.toml, the same resolved config
+    cmd = [sys.executable, "-m", "shardwise.cli", "train", str(run_dir / "config.toml"), "--run.device", "cuda",
+           "--parallel.backend", "nccl"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **NO_TF32})
+    assert done.returncode == 0, done.stderr[-3000:]
+    gpu_losses = [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+    saved = open_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1]).model_state()
+    assert_close((gpu_losses, {k: saved[k] for k in weights}), (losses, weights), STRICT_FP32, STRICT_FP32)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL with two ranks needs two GPUs")

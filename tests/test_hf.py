@@ -193,3 +193,19 @@ def test_export_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         export_model(model.state_dict(), model.cfg, ByteTokenizer(), tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"], "nothing half-written"
+
+
+@pytest.mark.parametrize("name", ["/etc/hostname", "../model.safetensors", "sub/model.safetensors", ".."])
+def test_an_index_names_only_files_inside_its_directory(tmp_path, name):
+    """``model.safetensors.index.json``'s weight_map may name only plain files of its directory: a path that
+    leads out of it (absolute, ``../``, a subdirectory) is refused, naming it, before anything is opened."""
+    from shardwise.hf.load import INDEX_FILE, weight_files
+
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    (directory / INDEX_FILE).write_text(json.dumps({"weight_map": {"a.weight": "model-1.safetensors",
+                                                                   "b.weight": name}}))
+    with pytest.raises(HFError, match=f"weight_map names {name!r}, not a file name inside"):
+        weight_files(directory)
+    (directory / INDEX_FILE).write_text(json.dumps({"weight_map": {"a.weight": "model-1.safetensors"}}))
+    assert weight_files(directory) == [directory / "model-1.safetensors"]

@@ -80,8 +80,15 @@ def test_resume_supersedes_abandoned_records(tmp_path):
         (2, "loss"),
         (3, "loss"),
     ]
-    (tmp_path / "metrics.jsonl").write_text('{"step": 5, "loss": 1.0}\n{"step": 5, "val_loss": 2.0}\n')
-    assert len(read_metrics(tmp_path)) == 2  # different metrics at one step both stay
+    # the events of a step merge into its record; a late report of a key the step already holds wins
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 5, "loss": 1.0, "ckpt_write_s": 0.5}\n{"step": 5, "val_loss": 2.0}\n'
+        '{"step": 5, "ckpt_stall_s": 0.1}\n{"step": 5, "ckpt_write_s": 0.7}\n')
+    assert read_metrics(tmp_path) == [
+        {"step": 5, "loss": 1.0, "val_loss": 2.0, "ckpt_stall_s": 0.1, "ckpt_write_s": 0.7}]
+    # a step trained again (loss logged twice at one step) replaces the old record
+    (tmp_path / "metrics.jsonl").write_text('{"step": 5, "loss": 1.0, "lr": 3.0}\n{"step": 5, "loss": 2.0}\n')
+    assert read_metrics(tmp_path) == [{"step": 5, "loss": 2.0}]
 
 
 def test_disabled_logger_writes_nothing(tmp_path):

@@ -31,7 +31,7 @@ def _run(experts: Experts, x: torch.Tensor, grad: torch.Tensor | None):
     return y.detach(), x.grad, {n: p.grad for n, p in experts.named_parameters()}
 
 
-@pytest.mark.parametrize("flavor", ["gpt2", "llama"])
+@pytest.mark.parametrize("flavor", ["gpt2", "llama", "bert"])
 @pytest.mark.parametrize("kernel", ["grouped", "padded"])
 def test_kernels_equal_the_loop_and_give_every_expert_a_gradient(flavor, kernel):
     x = torch.randn(sum(COUNTS), 8)

@@ -116,7 +116,7 @@ def test_router_fields_are_checked():
     with pytest.raises(ConfigError, match=r"^model.moe_bias_rate=0.01 moves the sigmoid_bias router's balancing "
                                           r"bias, but model.moe_router='softmax' has none"):
         cfg(**{"model.moe_bias_rate": "0.01"})
-    with pytest.raises(ConfigError, match=r"^model.qk_norm=True normalises llama's query and key heads; "
+    with pytest.raises(ConfigError, match=r"^model.qk_norm=true normalises llama's query and key heads; "
                                           r"model.flavor='gpt2' has none"):
         cfg(**{"model.qk_norm": "true"})
     assert cfg(**{"model.moe_router": "sigmoid_bias", "model.moe_bias_rate": "0.01"}).model.moe_bias_rate == 0.01

@@ -42,7 +42,10 @@ def test_json_and_dotted_planner_flags(capsys):
                                    "mem_activations_bytes", "mem_device_bytes"}
     assert {"tokens_per_s", "step_time_s", "mfu", "comm_bytes"} <= set(best["time"])
     assert doc["training"]["gpus_needed_6ND"] > 0 and doc["training"]["days"] > 0
-    assert doc["dropped"]  # ZeRO-2/3 with pipeline parallelism
+    # ZeRO-2/3 inside the pipeline are searched too, with the stage's unsharded gradients held to the flush
+    assert {c["layout"]["zero"] for c in doc["layouts"]} >= {1, 2, 3}
+    z3 = next(c for c in doc["layouts"] if c["layout"]["zero"] == 3)
+    assert z3["memory"]["mem_grad_accum_bytes"] == z3["memory"]["mem_gathered_bytes"] > 0
 
 
 def test_plot(capsys, tmp_path):
@@ -96,8 +99,10 @@ def test_compare(capsys, tmp_path):
     # fp32 gradients plus DataParallel's one fp32 "had a gradient" flag per tensor, one all-reduce per step
     assert doc["predicted"]["comm_bytes"] == 4 * (n + tensors)
     assert doc["measured"]["tokens_per_s"] == 1002.5 and doc["measured"]["mem_peak_rss_bytes"] == 5e8
+    assert doc["step_time"]["formula"]["step_time_s"] > 0 and doc["step_time"]["simulated"]["step_time_s"] > 0
     rc, out, _ = run(capsys, ["--compare", str(tmp_path)], {})
     assert "comm_bytes" in out and "mem_optimizer_bytes" in out and "not yet activations" in out
+    assert "step_time_s (simulated, H100)" in out
 
 
 def test_config_file_with_cluster_and_plan_tables(capsys, tmp_path):

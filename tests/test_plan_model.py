@@ -31,7 +31,7 @@ def test_param_count_equals_transformer(preset):
 
 def test_planner_accepts_layouts_the_trainer_rejects():
     cfg = Config.load(overrides={"model.preset": "gpt3-175b", "parallel.tp": "8", "parallel.pp": "8",
-                                 "parallel.zero": "2"})
+                                 "ps.servers": "1"})
     with pytest.raises(ConfigError):
         resolve(cfg, world_size=64)
     assert model_spec(cfg).n_layers == 96
@@ -69,3 +69,73 @@ def test_recompute_conventions():
     assert model == flops_per_token(spec, 1024)
     assert model < hw_sel < hw_full < model * 4 / 3 + 1
     assert Layout(dp=2, micro_batch=3, grad_accum=4).global_batch == 24
+
+
+PLANNER_MAY_IMPORT = ("shardwise.plan", "shardwise.config", "shardwise.config_resolve", "shardwise.checks",
+                      "shardwise.lazy", "shardwise.dist.comm.cost", "shardwise.train.metrics")
+"""What the planner's modules may import from the project: its own package, the config tree, the alpha-beta
+cost model of the collectives (formulas, shared with comm.algorithm='auto'), and the reader of a run's
+metrics.jsonl (what --compare sets beside the prediction). No model, technique or engine code."""
+SIMULATOR_MAY_BE_CALLED_BY = ("cli.py", "compare.py")
+"""The simulator (shardwise.sim) runs the engine's own schedules by design; the plan's command line calls it to
+re-rank layouts (--simulate-top) and to set a simulated step beside the formula's and the run's (--compare): a
+third, separate estimate. No other planner module may reach it, so none of the formulas can."""
+
+
+def test_the_planner_imports_no_engine_code():
+    """Every import in src/shardwise/plan, function-level ones too: the predictions come from the model
+    shape, the layout and the papers, so ``plan --compare`` holds two independent things together."""
+    import ast
+    from pathlib import Path
+
+    import shardwise.plan
+
+    for path in sorted(Path(shardwise.plan.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            for name in names:
+                if name.startswith("shardwise.sim") and path.name in SIMULATOR_MAY_BE_CALLED_BY:
+                    continue
+                if name.startswith("shardwise"):
+                    assert name.startswith(PLANNER_MAY_IMPORT), f"{path.name} imports {name}"
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.preset": "tiny"}, {"model.preset": "tiny-llama"}, {"model.preset": "cpu-demo"},
+    {"model.preset": "tiny", "model.tie_embeddings": "false"}, {"model.preset": "tiny-moe", "model.moe_shared": "2"},
+    {"model.preset": "tiny-llama", "model.n_experts": "4", "model.moe_shared": "1", "model.moe_every": "2"},
+])
+def test_the_planners_tensors_are_the_models(overrides):
+    """The tensors the planner derives from the shape (names, sizes, order) are the trainer's model's,
+    derived independently: where ZeRO pads per unit and buckets close at tensor boundaries, both agree."""
+    from shardwise.plan.tensors import model_params
+
+    cfg = resolve(Config.load(overrides=overrides), world_size=1, tokenizer_vocab=257)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    assert [(e.name, e.numel) for e in model_params(model_spec(cfg))] == \
+        [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def test_where_the_planners_assumptions_differ_from_the_trainer():
+    """Stated, and shown: the planner counts BERT as GPT-2 (the model has a token-type table, an embedding
+    norm, the MLM transform and an output bias besides), and splits pipeline stages evenly, where the
+    trainer's default pp_partition='params' balances parameters (3 blocks of the tiny model on 2 stages:
+    the embedding's weight moves a block to the second stage)."""
+    from shardwise.parallel.pipeline.partition import partition
+    from shardwise.plan.tensors import even_stage_blocks, model_params
+
+    bert = resolve(Config.load(overrides={"model.preset": "custom", "model.flavor": "bert", "model.n_layers": "2",
+                                          "model.d_model": "32", "model.n_heads": "4", "model.max_seq_len": "32",
+                                          "train.objective": "mlm"}), world_size=1, tokenizer_vocab=257)
+    with torch.device("meta"):
+        model = Transformer(bert.model)
+    planned = {e.name for e in model_params(model_spec(bert))}
+    assert sorted(n for n, _ in model.named_parameters() if n not in planned) == [
+        "emb_norm.bias", "emb_norm.weight", "lm_head.bias", "mlm_dense.bias", "mlm_dense.weight", "type_emb.weight"]
+    tiny = resolve(Config.load(overrides={"model.preset": "tiny", "model.n_layers": "3"}), world_size=1,
+                   tokenizer_vocab=257)
+    assert [list(r) for r in even_stage_blocks(3, 2)] == [[0, 1], [2]]
+    assert [list(r) for r in partition(tiny.model, 2, "params")] == [[0], [1, 2]]
+    assert [list(r) for r in partition(tiny.model, 2, "even")] == [[0, 1], [2]]

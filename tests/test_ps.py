@@ -65,7 +65,7 @@ def test_bsp_equals_one_process(one_process, ref_dir, tmp_path, cache_dir, serve
     if servers == 2:
         assert all(r["ps_push_max_in_flight_bytes"] <= 16 * 1024 + 64 for r in rec)
         # priority pulls: every partition is waited for by the forward pre-hook of the module using it
-        n_parts = len(partition_model(Transformer(make_config(tmp_path / "bsp", cache_dir, 1).model), 8 * 1024, 2))
+        n_parts = len(partition_model(Transformer(make_config(tmp_path / "shape", cache_dir, 1).model), 8 * 1024, 2))
         assert all(r["ps_pull_lazy_waits"] == n_parts for r in rec)
         assert all(0.0 <= r["ps_pull_overlap_frac"] <= 1.0 for r in rec)
 
@@ -171,6 +171,42 @@ def test_priority_follows_the_forward_order_and_the_credit_bounds_bytes_in_fligh
     sched.flush()
     assert sent == ["layer0", "layer3", "layer5", "layer9"]
     assert sched.pop_metrics()["ps_push_max_in_flight_bytes"] <= 100
+    sched.close()
+
+
+def test_a_completed_send_starts_the_queued_pushes():
+    """With the credit full, a ready push waits; when the send in flight completes, the freed credit starts
+    it at once, from the completion -- not at the next gradient hook (ByteScheduler's credit release)."""
+    import threading
+
+    from shardwise.ps.scheduling import PushScheduler
+
+    class Pending:
+        def __init__(self):
+            self.done = threading.Event()
+
+        def wait(self, timeout=None):
+            return self.done.wait(timeout.total_seconds())
+
+    works, sent, second = [], [], threading.Event()
+
+    def send(item):
+        sent.append(item)
+        if len(sent) == 2:
+            second.set()
+        works.append(Pending())
+        return [(works[-1], 60, item)]
+
+    sched = PushScheduler("priority", credit_bytes=100, send=send, timeout_s=30)
+    sched.ready(1, 1, 60, "first")
+    sched.ready(2, 2, 60, "second")  # 60 + 60 > 100: queued
+    assert sent == ["first"]
+    works[0].done.set()  # the first send completes: nothing else happens in this thread
+    assert second.wait(30), "the queued push was not started when credit freed"
+    assert sent == ["first", "second"]
+    works[1].done.set()
+    sched.flush()
+    assert sched.pop_metrics()["ps_push_started_on_completion"] == 1
     sched.close()
 
 

@@ -148,14 +148,35 @@ def test_zero_tp_checkpoint_resumes_on_plain_data_parallel(single_process, tmp_p
                          single_process, atol=1e-5)
 
 
-def test_three_axes_with_zero1_equal_one_process(tmp_path, cache_dir):
-    """tp 2 x pp 2 x dp 2 with ZeRO-1 on 8 ranks: Megatron's 3-D layout with the distributed optimizer."""
-    layers = {"model.n_layers": 4, "data.val_fraction": 0.1}  # enough held-out windows for the validation set
-    ref = run(tmp_path, cache_dir, "ref", 1, **layers)
-    got = run(tmp_path, cache_dir, "tp2-pp2-dp2-z1", 8, **layers, **{"parallel.tp": 2, "parallel.pp": 2,
-                                                                     "parallel.zero": 1, "parallel.microbatches": 4})
-    assert_same_training(got, ref, atol=1e-5)
-    # the validation set is the same windows whatever the layout (dp 2 x micro 1 here, dp 1 x micro 8 there)
-    val = [[r["val_loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").open()) if "val_loss" in r]
-           for name in ("ref", "tp2-pp2-dp2-z1")]
-    assert len(val[0]) == len(val[1]) == 2 and max(abs(a - b) for a, b in zip(*val, strict=True)) < 1e-5, val
+def _train_many(jobs):
+    """Rank body: several trainer runs in one pool call; rank 0 returns their (losses, weights, grad norms)."""
+    from tests.test_train import _train_on_rank
+
+    return [_train_on_rank(cfg, run_dir) for cfg, run_dir in jobs]
+
+
+def test_megatron_3d_layouts_equal_one_process(tmp_path, cache_dir):
+    """tp 2 x pp 2 x dp 2 on 8 ranks, Megatron's GPT recipe: sequence parallelism inside the tensor-parallel
+    pipeline and ZeRO-1 (the distributed optimizer), under 1F1B and under interleaved stages (virtual
+    pipeline), each without and with dropout 0.1 (masks drawn from the single-process positions), clipping
+    off: the same model as one process. The validation set is the same windows whatever the layout."""
+    from tests.harness import run_on_ranks
+    from tests.test_train import make_config
+
+    base = {"model.n_layers": 4, "data.val_fraction": 0.1, "train.steps": 6, "train.grad_clip": 0}
+    layout = {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 1, "parallel.microbatches": 4,
+              "parallel.sequence_parallel": True}
+    schedules = {"1f1b": {}, "interleaved": {"parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2}}
+    jobs, refs = {}, {}
+    for dropout in (0.0, 0.1):
+        refs[dropout] = run(tmp_path, cache_dir, f"ref-{dropout}", 1, **base, **{"model.dropout": dropout})
+        for name, schedule in schedules.items():
+            run_dir = tmp_path / f"{name}-{dropout}"
+            jobs[(name, dropout)] = (make_config(run_dir, cache_dir, 8, **base, **layout, **schedule,
+                                                 **{"model.dropout": dropout}), str(run_dir))
+    results = run_on_ranks(8, _train_many, list(jobs.values()))[0]
+    for (name, dropout), result in zip(jobs, results, strict=True):
+        assert_same_training(result, refs[dropout], atol=1e-5)
+        val = [[r["val_loss"] for r in map(json.loads, (tmp_path / d / "metrics.jsonl").open()) if "val_loss" in r]
+               for d in (f"ref-{dropout}", f"{name}-{dropout}")]
+        assert len(val[0]) == len(val[1]) == 2 and max(abs(a - b) for a, b in zip(*val, strict=True)) < 1e-5, val

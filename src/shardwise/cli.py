@@ -38,7 +38,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return rest, overrides
 
 
-PASS_THROUGH = ("plan", "bench")
+PASS_THROUGH = ("plan", "bench", "simulate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="predict memory, FLOPs, communication and time; search layouts", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
 
+    p = sub.add_parser("simulate", help="simulate a training step on a modelled cluster, from the engine's own "
+                                        "schedules", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+
     p = sub.add_parser("bench", help="benchmarks, e.g. `shardwise bench comm`", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = build_parser().parse_args(rest)
     args.debug = debug
-    if overrides and args.command not in ("train", "config", "plan"):
+    if overrides and args.command not in ("train", "config", "plan", "simulate"):
         print(f"error: config overrides are not accepted by `shardwise {args.command}`", file=sys.stderr)
         return 2
     try:
@@ -149,9 +153,22 @@ def cmd_train(args, overrides: dict[str, str]) -> int:
     return 0
 
 
+def check_generate_flags(args) -> None:
+    """ConfigError naming the flag when a value of ``shardwise generate`` cannot be sampled with."""
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
+    if args.top_k < 1:
+        raise ConfigError(f"--top-k {args.top_k}: give at least 1 (1 = greedy; the vocabulary size = no cut)")
+    if not args.temperature >= 0:
+        raise ConfigError(f"--temperature {args.temperature}: give 0 (greedy) or more")
+    if args.prompt is not None and any(p == "" for p in args.prompt):
+        raise ConfigError('--prompt "": every prompt needs at least one character to continue')
+
+
 def cmd_generate(args, _overrides) -> int:
     from shardwise.generate_run import generate_from_run
 
+    check_generate_flags(args)
     prompts = args.prompt or ["def "]
     timing: dict = {}
     texts = generate_from_run(args.run_dir, prompts, args.max_new_tokens, args.temperature, args.top_k, args.seed,
@@ -166,7 +183,9 @@ def cmd_generate(args, _overrides) -> int:
 
 def cmd_export(args, _overrides) -> int:
     from shardwise.hf.export import export_run
+    from shardwise.run_dir import check_path
 
+    check_path(args.out_dir, "OUT_DIR")
     out = export_run(args.run_dir, args.out_dir, args.checkpoint, args.dtype, args.max_shard_size)
     weights = sorted(p.name for p in out.glob("model*.safetensors"))
     what = weights[0] if len(weights) == 1 else f"{len(weights)} weight shards and their index"
@@ -205,6 +224,13 @@ def cmd_plan(args, overrides: dict[str, str]) -> int:
     return plan_main(args.args, overrides)
 
 
+def cmd_simulate(args, overrides: dict[str, str]) -> int:
+    """Delegates to shardwise.sim.cli.main(argv, overrides) -> exit code."""
+    from shardwise.sim.cli import main as simulate_main
+
+    return simulate_main(args.args, overrides)
+
+
 def cmd_bench(args, _overrides) -> int:
     """``shardwise bench comm ...`` delegates to shardwise.dist.comm.bench.main(argv) -> exit code."""
     benches = {"comm": "shardwise.dist.comm.bench"}
@@ -217,7 +243,7 @@ def cmd_bench(args, _overrides) -> int:
 
 
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "export": cmd_export, "plot": cmd_plot, "config": cmd_config,
-            "plan": cmd_plan, "bench": cmd_bench}
+            "plan": cmd_plan, "simulate": cmd_simulate, "bench": cmd_bench}
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

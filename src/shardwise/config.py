@@ -492,7 +492,7 @@ def _coerce(dotted: str, value: Any, hint: Any) -> Any:
     if value is None:
         if type(None) in allowed:
             return None
-        raise ConfigError(f"{dotted}=None is not allowed; give a {_type_name(allowed)}")
+        raise ConfigError(f"{dotted}=None is not allowed; give {_type_name(allowed)}")
     for t in allowed:
         if t is type(None):
             continue
@@ -512,11 +512,21 @@ def _coerce(dotted: str, value: Any, hint: Any) -> Any:
         elif t is str:
             if isinstance(value, (str, int, float)) and not isinstance(value, bool):
                 return str(value)
-    raise ConfigError(f"{dotted}={value!r} is not a {_type_name(allowed)}")
+    raise ConfigError(f"{dotted}={shown(value)} is not {_type_name(allowed)}")
+
+
+def shown(value: Any) -> str:
+    """A value as a user writes it in TOML or on the command line (``true``, ``'text'``, ``3``), not as Python
+    prints it (``True``)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "text"}
 
 
 def _type_name(types_: tuple) -> str:
-    return " or ".join(getattr(t, "__name__", str(t)) for t in types_ if t is not type(None))
+    names = [getattr(t, "__name__", str(t)) for t in types_ if t is not type(None)]
+    return " or ".join(_TYPE_WORDS.get(n, f"a {n}") for n in names)
 
 
 def _suggest(name: str, options) -> str:

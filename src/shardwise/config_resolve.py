@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 
 from shardwise.checks import Unused, choice, divisors, positive
-from shardwise.config import Config, ConfigError, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from shardwise.config import Config, ConfigError, ModelConfig, ParallelConfig, RunConfig, TrainConfig, shown
 from shardwise.data import checks as data_checks
 from shardwise.dist import checks as dist_checks
 from shardwise.dist.comm import checks as comm_checks
@@ -232,7 +232,7 @@ def _refuse_unused(cfg: Config) -> None:
         for dotted, read, why in rules(cfg):
             value = _field(cfg, dotted)
             if not read and value != _field(DEFAULTS, dotted):
-                raise ConfigError(f"{dotted}={value!r} {why}")
+                raise ConfigError(f"{dotted}={shown(value)} {why}")
 
 
 DEFAULTS = Config()

@@ -13,8 +13,8 @@ from shardwise.config_resolve import resolve
 def load_trained_model(run_dir: Path, checkpoint: Path | None = None):
     """The model of ``run_dir`` with the weights of ``checkpoint`` (default: the newest valid one)."""
     from shardwise.model import Transformer
-    from shardwise.train.checkpoint import latest_valid_checkpoint, verify_checkpoint
-    from shardwise.train.state import open_checkpoint
+    from shardwise.train.checkpoint import CheckpointError, latest_valid_checkpoint, verify_checkpoint
+    from shardwise.train.state import open_checkpoint, resume_mismatch
 
     run_dir = Path(run_dir)
     config_file = run_dir / "config.toml"
@@ -25,6 +25,9 @@ def load_trained_model(run_dir: Path, checkpoint: Path | None = None):
     if path is None:
         raise FileNotFoundError(f"{run_dir} has no valid checkpoint under checkpoints/")
     verify_checkpoint(path)
+    problem = resume_mismatch(path, cfg)
+    if problem is not None:  # one line naming the tensor, rather than load_state_dict's list
+        raise CheckpointError(f"{problem}; {config_file} does not describe the model of this checkpoint")
     model = Transformer(cfg.model)
     model.load_state_dict(dict(open_checkpoint(path).model_state()))
     return model, cfg

@@ -15,9 +15,11 @@ import logging
 import os
 import shlex
 import signal
+import sys
 import uuid
 from pathlib import Path
 
+from shardwise import run_dir as run_dir_policy
 from shardwise.config import Config, ConfigError
 from shardwise.config_resolve import resolve
 
@@ -69,7 +71,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 def resolve_run_dir(cfg: Config) -> Path:
     """The run directory: ``run.dir`` if set; for a resume without one, ``runs/latest``;
-    otherwise a new ``runs/<preset>-<date>-<time>``."""
+    otherwise a new ``runs/<preset>-<date>-<time>`` (``-2``, ``-3``, ... when two runs start in one second)."""
     if cfg.run.dir:
         return Path(cfg.run.dir)
     latest = Path("runs") / "latest"
@@ -78,26 +80,39 @@ def resolve_run_dir(cfg: Config) -> Path:
             raise ConfigError("ckpt.resume=true but run.dir is not set and runs/latest does not exist; give --run.dir")
         return latest.resolve()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{cfg.model.preset}-{stamp}"
+    path, n = Path("runs") / f"{cfg.model.preset}-{stamp}", 1
+    while path.exists():
+        n += 1
+        path = Path("runs") / f"{cfg.model.preset}-{stamp}-{n}"
+    return path
 
 
 def prepare_run(cfg: Config, world_size: int | None = None) -> tuple[Config, Path]:
-    """Validate ``cfg``, tokenize its corpus (cached) and write the resolved config into the run dir."""
+    """Validate ``cfg``, tokenize its corpus (cached) and write the resolved config into the run dir.
+
+    Everything that can be checked before a worker starts is checked before anything is written
+    (:mod:`shardwise.run_dir`): a run directory that already holds a run is refused unless resumed, and a
+    resume must find a checkpoint that verifies and fits the config's model. ``config.toml`` is written
+    last, atomically, once training can start."""
     from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus
+    from shardwise.train.faults import restart_attempt
 
     checked = resolve(cfg, world_size=world_size)  # fail fast, before any tokenization
     run_dir = resolve_run_dir(checked)
+    run_dir_policy.check_path(run_dir)
+    if not checked.ckpt.resume and restart_attempt() == 0:  # a torchrun restart re-enters with its own run
+        run_dir_policy.check_new_run(run_dir)
     corpus = prepare_corpus(checked.data, None)
     resolved = resolve(cfg, world_size=world_size, tokenizer_vocab=corpus.vocab_size)
     # The corpus must hold at least one global batch of windows: checked here, not in every worker.
     windows = TokenWindows(corpus.train_path, resolved.data.seq_len)
     DistributedWindowSampler(len(windows), resolved.train.global_batch, resolved.train.seed)
+    if resolved.ckpt.resume:
+        run_dir_policy.check_resume(run_dir, resolved, log=lambda line: print(line, file=sys.stderr))
     run_dir.mkdir(parents=True, exist_ok=True)
     prepare_corpus(checked.data, run_dir)  # a cache hit that copies the tokenizer into the run
     resolved.run.dir = str(run_dir)
-    (run_dir / "config.toml").write_text(resolved.to_toml())
-    if not cfg.run.dir and run_dir.parent == Path("runs"):
-        _point_latest(run_dir)
+    run_dir_policy.write_config(run_dir, resolved.to_toml())
     return resolved, run_dir
 
 
@@ -110,13 +125,16 @@ def launch(cfg: Config, debug: bool = False) -> Path:
                           "node) and run.dir (a directory every node shares), the same on every node")
     resolved, run_dir = prepare_run(cfg)
     nproc = resolved.parallel.nproc
+    # runs/latest moves to a new default run directory once it holds a checkpoint, not before
+    latest = run_dir_policy.LatestLink(run_dir, enabled=not cfg.run.dir and run_dir.parent == Path("runs"))
     try:
-        if nproc == 1 and p.nnodes == 1 and not cfg.run.max_restarts:  # one in-process worker
-            from shardwise.worker import train
+        with latest:
+            if nproc == 1 and p.nnodes == 1 and not cfg.run.max_restarts:  # one in-process worker
+                from shardwise.worker import train
 
-            train(resolved, run_dir)
-        else:
-            _spawn(resolved, run_dir, nproc, debug)
+                train(resolved, run_dir)
+            else:
+                _spawn(resolved, run_dir, nproc, debug)
     except KeyboardInterrupt:
         raise Interrupted(run_dir, signal.SIGINT) from None
     return run_dir
@@ -153,8 +171,12 @@ def _spawn(cfg: Config, run_dir: Path, nproc: int, debug: bool) -> None:
         **rdzv,
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    if not debug:  # the launcher's own log lines repeat the worker's error; WorkerFailed says it once
-        for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+    if not debug:  # the launcher's own log lines repeat the worker's error (and its "Terminating process ...
+        # via signal SIGTERM" come before it); WorkerFailed says it once, first; --debug shows them all
+        import torch.multiprocessing.spawn  # noqa: F401 - creates its logger, which the loop below quiets
+
+        for name in [n for n in logging.root.manager.loggerDict
+                     if n.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]:
             logging.getLogger(name).setLevel(logging.CRITICAL)  # its modules set levels of their own
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     gave_up = run_dir / GAVE_UP_FILE
@@ -211,15 +233,3 @@ def _failure_text(failure) -> tuple[str, str]:
     if isinstance(msg, str) and msg.strip():
         return msg.strip().splitlines()[-1], msg
     return f"exit code {failure.exitcode}", ""
-
-
-def _point_latest(run_dir: Path) -> None:
-    latest = run_dir.parent / "latest"
-    tmp = run_dir.parent / f".latest-{os.getpid()}"
-    try:
-        if tmp.is_symlink():
-            tmp.unlink()
-        tmp.symlink_to(run_dir.name)
-        os.replace(tmp, latest)
-    except OSError:
-        pass  # a convenience link only

@@ -73,7 +73,12 @@ def _key(*parts: object) -> str:
 
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive advisory lock on ``path`` (no-op where ``fcntl`` is missing: rename stays atomic)."""
+    """Hold an exclusive advisory lock on ``path`` (no-op where ``fcntl`` is missing: rename stays atomic).
+
+    The lock file stays beside what it guarded once that was built; when the build failed (a source that
+    cannot be read) it is removed, still under the lock, so a failed source leaves nothing in the cache. A
+    process that was waiting then holds the removed file's lock and builds as well: harmless, since every
+    build lands by an atomic rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
@@ -84,6 +89,9 @@ def _locked(path: Path) -> Iterator[None]:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 

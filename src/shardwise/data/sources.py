@@ -212,7 +212,7 @@ class Source:
                     try:
                         row = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise DataError(f"{where} is not valid JSON: {e.msg}") from e
+                        raise DataError(f"{where} is not valid JSON: {e.msg} column {e.colno}") from e
                     yield Document(f"{name}:{lineno}", _field(row, self.text_field, where) or "")
         except OSError as e:
             raise DataError(f"cannot read corpus file {path}: {e.strerror or e}") from e

@@ -58,12 +58,12 @@ def failed_collective(exc: BaseException) -> str:
     """``name (file:line in function)`` of the collective on ``exc``'s stack, from the traceback."""
     own = _OWN_NAME.match(str(exc))  # our collectives name themselves ("all_reduce/ring: timed out ...")
     frames = traceback.extract_tb(exc.__traceback__)
-    torch_dist = [i for i, f in enumerate(frames) if f"{os.sep}torch{os.sep}distributed{os.sep}" in f.filename
+    torch_dist = [i for i, f in enumerate(frames) if _inside(f.filename, _TORCH_DIST_DIR)
                   and f.name not in ("wrapper", "_wrapper", "inner")]
-    ours = [i for i, f in enumerate(frames) if f"{os.sep}shardwise{os.sep}" in f.filename]
+    ours = [i for i, f in enumerate(frames) if _inside(f.filename, _PACKAGE_DIR)]
     if own:
         name = own.group(1)
-        callers = [i for i in ours if f"{os.sep}dist{os.sep}comm{os.sep}" not in frames[i].filename]
+        callers = [i for i in ours if not _inside(frames[i].filename, os.path.join(_PACKAGE_DIR, "dist", "comm"))]
     elif torch_dist:
         name = frames[torch_dist[0]].name
         callers = [i for i in ours if i < torch_dist[0]]
@@ -73,8 +73,20 @@ def failed_collective(exc: BaseException) -> str:
     if not callers:
         return name
     f = frames[callers[-1]]
-    where = f.filename.split(f"{os.sep}shardwise{os.sep}", 1)[-1]
+    where = os.path.relpath(os.path.realpath(f.filename), _PACKAGE_DIR)
     return f"{name} ({where}:{f.lineno} in {f.name})"
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+"""This package's own directory (``.../shardwise``, this file being ``shardwise/dist/diagnose.py``): frames under
+it are ours, wherever the project is cloned -- a path such as ``/home/me/shardwise/.venv/lib/.../torch/...``
+holds ``/shardwise/`` too, but is not ours."""
+_TORCH_DIST_DIR = os.path.dirname(os.path.realpath(dist.__file__))
+
+
+def _inside(filename: str, directory: str) -> bool:
+    """Whether ``filename`` (a frame's) lies under ``directory`` (both resolved, so links do not matter)."""
+    return os.path.realpath(filename).startswith(directory + os.sep)
 
 
 def job_store(world: int, wait_s: float, attempt: str = "0"):

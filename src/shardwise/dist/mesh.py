@@ -247,15 +247,17 @@ class ParallelDims:
                     out[axis] = g.index(global_rank)
         return out
 
-    def build(self, device_type: str = "cpu") -> Mesh:
+    def build(self, device_type: str = "cpu", timeout_s: float | None = None) -> Mesh:
         """Create the process groups of every axis; collective over the default group.
 
-        Every rank must call it, in the same order relative to other group creations.
-        The (pp, dp, cp, tp) groups come from torch's ``DeviceMesh`` (kept as
-        ``Mesh.device_mesh`` for DTensor-based peers); the ``ep`` groups, which split a
-        flattened axis, from ``dist.new_group``.
+        Every rank must call it, in the same order relative to other group creations. Every group
+        waits at most ``timeout_s`` in a collective (default: the default group's timeout, i.e.
+        ``parallel.timeout_s``): torch's own default for a new group is 30 minutes, so a hung peer
+        inside a tp, cp, pp, ep or dp group would otherwise hang its partners that long. The axis
+        groups are made with ``dist.new_group`` (an axis spanning the world is the default group)
+        and handed to torch's ``DeviceMesh`` (kept as ``Mesh.device_mesh`` for DTensor-based peers).
         """
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
 
         self.validate()
         if not dist.is_initialized():
@@ -264,30 +266,41 @@ class ParallelDims:
             raise ValueError(
                 f"parallel.dp*tp*pp*cp={self.world_size} does not match the world size {dist.get_world_size()}"
             )
+        timeout = default_group_timeout() if timeout_s is None else timedelta(seconds=timeout_s)
         me = dist.get_rank()
         mine = {axis: next(g for g in self.groups(axis) if me in g) for axis in (*ALL_AXES, *JOINT_AXES)}
-        device_mesh = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=AXES)
-        groups = {axis: device_mesh.get_group(axis) for axis in AXES}
-        for axis in ("ep", "edp"):
-            if axis == "edp" and self.ep == 1 and self.cp == 1:
-                groups["edp"] = groups["dp"]  # the same ranks: no new group
-                continue
-            for ranks in self.groups(axis):  # every rank creates every group, in the same order
-                g = dist.new_group(ranks)
-                if me in ranks:
-                    groups[axis] = g
-        if self.cp == 1 or self.dp == 1:  # dp_cp is one of the axes themselves
-            groups["dp_cp"] = groups["dp" if self.cp == 1 else "cp"]
-        else:
-            for ranks in self.groups("dp_cp"):  # every rank creates every group, in the same order
-                g = dist.new_group(ranks)
-                if me in ranks:
-                    groups["dp_cp"] = g
-        for axis in (*ALL_AXES, *JOINT_AXES):  # DeviceMesh must agree with our layout arithmetic
+        groups: dict = {}
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+        def group_of(axis: str) -> dist.ProcessGroup:
+            """This rank's group along ``axis``; every rank creates every group of it, in the same order."""
+            for ranks in self.groups(axis):
+                key = tuple(ranks)
+                if key not in made:
+                    made[key] = dist.group.WORLD if len(ranks) == self.world_size and timeout_s is None \
+                        else dist.new_group(ranks, timeout=timeout)
+            return made[tuple(mine[axis])]
+
+        for axis in (*AXES, "ep", "edp", *JOINT_AXES):  # the same ranks give the same group (no new one)
+            groups[axis] = group_of(axis)
+        grid = self.rank_grid()
+        device_mesh = DeviceMesh.from_group([groups[a] for a in AXES], device_type, mesh=grid, mesh_dim_names=AXES)
+        for axis in (*ALL_AXES, *JOINT_AXES):  # the groups must agree with our layout arithmetic
             got = dist.get_process_group_ranks(groups[axis])
             if got != mine[axis]:
-                raise RuntimeError(f"mesh axis {axis}: DeviceMesh gave ranks {got}, expected {mine[axis]}")
+                raise RuntimeError(f"mesh axis {axis}: the group holds ranks {got}, expected {mine[axis]}")
         return Mesh(dims=self, global_rank=me, device_mesh=device_mesh, _groups=groups, _ranks=mine)
+
+
+def default_group_timeout() -> timedelta:
+    """How long the default process group's collectives wait (what ``init_process_group`` was given)."""
+    group = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return dist.distributed_c10d.default_pg_timeout
 
 
 def _check_axis(axis: str) -> None:

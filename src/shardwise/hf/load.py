@@ -26,7 +26,12 @@ def weight_files(directory: Path) -> list[Path]:
         return [directory / SINGLE_FILE]
     if (directory / INDEX_FILE).is_file():
         index = json.loads((directory / INDEX_FILE).read_text())
-        return [directory / name for name in sorted(set(index["weight_map"].values()))]
+        names = sorted(set(index["weight_map"].values()))
+        for name in names:  # a plain file name inside the directory, never a path that leads out of it
+            if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+                raise HFError(f"{directory / INDEX_FILE}: weight_map names {name!r}, not a file name inside "
+                              f"{directory}")
+        return [directory / name for name in names]
     found = "pytorch_model.bin" if (directory / "pytorch_model.bin").exists() else "none"
     raise HFError(f"{directory} holds no {SINGLE_FILE} or {INDEX_FILE} (found: {found}); pickled weights are not "
                   "read: convert them with transformers' save_pretrained(..., safe_serialization=True)")

@@ -4,8 +4,9 @@ A router scores each token against ``E`` experts; the token goes to its ``k`` be
 block's output is the sum of those experts' outputs weighted by their router probabilities
 (Shazeer et al. 2017, "Outrageously Large Neural Networks", §2; Fedus et al. 2022, "Switch
 Transformers", eq. 1-2; Jiang et al. 2024, "Mixtral of Experts", §2.1). Experts are the flavour's
-MLP (GELU for gpt2, SwiGLU for llama); ``shared`` experts, which every token passes through, are one
-MLP of ``n_shared * d_ff`` width (Dai et al. 2024, "DeepSeekMoE", §3.2: shared experts concatenated).
+MLP (GELU for gpt2, exact GELU for bert, SwiGLU for llama); ``shared`` experts, which every token passes
+through, are one MLP of ``n_shared * d_ff`` width (Dai et al. 2024, "DeepSeekMoE", §3.2: shared experts
+concatenated).
 
 Routing, exactly (:func:`assign`): the router (:mod:`shardwise.model.router`: ``softmax``, ``softmax_renorm``
 or ``sigmoid_bias``) gives each token its k experts in order of preference and their gates; then
@@ -108,7 +109,9 @@ class Experts(nn.Module):
             raise ValueError(f"expert kernel {kernel!r} is not valid; use one of {', '.join(KERNELS)}")
         self.n_local, self.flavor, self.kernel, self.widths = n, flavor, kernel, (d_model, d_ff)
         self.capability = Capability()
-        if flavor == "gpt2":
+        self.gelu = {"gpt2": "tanh", "bert": "none"}.get(flavor)
+        """The GELU of a GELU-MLP flavour (gpt2's tanh approximation, bert's exact erf), or None: SwiGLU."""
+        if self.gelu is not None:
             self.fc_in = ExpertLinear(n, d_model, d_ff, bias=True)
             self.fc_out = ExpertLinear(n, d_ff, d_model, bias=True)
         else:
@@ -118,8 +121,8 @@ class Experts(nn.Module):
 
     def mlp(self, x: torch.Tensor, linear) -> torch.Tensor:
         """The flavour's MLP on ``x`` with ``linear(layer, h)`` applying one :class:`ExpertLinear`."""
-        if self.flavor == "gpt2":
-            return linear(self.fc_out, F.gelu(linear(self.fc_in, x), approximate="tanh"))
+        if self.gelu is not None:
+            return linear(self.fc_out, F.gelu(linear(self.fc_in, x), approximate=self.gelu))
         return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -266,9 +269,10 @@ class MoE(nn.Module):
         self.aux_coeff, self.z_coeff, self.bias_rate, self.layer_id = aux_coeff, z_coeff, bias_rate, layer_id
         self.router = Router(d_model, n_experts, router)
         self.experts = Experts(n_experts, d_model, d_expert or d_ff, flavor)
-        gpt2 = flavor == "gpt2"
         width = n_shared * d_ff
-        self.shared = None if not n_shared else (GeluMLP(d_model, width) if gpt2 else SwiGLU(d_model, width))
+        gelu = self.experts.gelu
+        self.shared = None if not n_shared else (
+            GeluMLP(d_model, width, approximate=gelu) if gelu is not None else SwiGLU(d_model, width))
         self.aux_loss: torch.Tensor | None = None
         self.last: tuple[Routing, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.stats = MoEStats(n_experts)

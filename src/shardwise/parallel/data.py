@@ -281,6 +281,11 @@ class DataParallel(nn.Module):
         finally:
             self._sync = previous
 
+    def pipeline_step(self):
+        """A pipeline step's backward passes: gradients accumulate locally (:meth:`no_sync`) until
+        :meth:`reduce_gradients` after the flush (ZeRO's wrapper has its own)."""
+        return self.no_sync()
+
     def reduce_gradients(self) -> None:
         """Average now the gradients accumulated under :meth:`no_sync` (a pipeline's, after its flush;
         Narayanan et al. 2021 §3): every bucket is launched at once, then waited for; each ``.grad`` is then a

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", type=Path, help="write a stacked memory bar chart (PNG) of the top layouts")
     p.add_argument("--compare", type=Path, metavar="RUN_DIR", help="set a run's measured metrics beside the plan")
+    p.add_argument("--simulate-top", type=int, default=0, metavar="K",
+                   help="re-rank the best K layouts by their simulated step (shardwise simulate; the [sim] table of "
+                        "--hardware)")
     return p
 
 
@@ -162,13 +165,15 @@ def _run(args, overrides: dict[str, str]) -> int:
     if args.compare:
         from shardwise.plan.compare import compare_run
 
-        return compare_run(args.compare, as_json=args.json)
+        return compare_run(args.compare, as_json=args.json, gpu=args.gpu, hardware=args.hardware,
+                           efficiency=args.efficiency)
     catalogue = load_catalogue(args.hardware)
     gpu = find_gpu(args.gpu, catalogue)
-    gpn = args.gpus_per_node or cfg.parallel.nproc or 8
-    nodes = args.nodes or cfg.parallel.nnodes
-    if gpn < 1 or nodes < 1:
-        raise ConfigError("--gpus-per-node and --nodes must be positive")
+    gpn = args.gpus_per_node if args.gpus_per_node is not None else (cfg.parallel.nproc or 8)
+    nodes = args.nodes if args.nodes is not None else cfg.parallel.nnodes
+    for flag, value in (("--gpus-per-node (cluster.gpus_per_node)", gpn), ("--nodes (cluster.nodes)", nodes)):
+        if value < 1:  # 0 is not "the default": say so rather than plan another cluster
+            raise ConfigError(f"{flag}={value} must be a positive integer")
     if not 0 < args.efficiency <= 1 or not 0 <= args.overlap <= 1 or not 0 < args.memory_fraction <= 1:
         raise ConfigError("--efficiency and --memory-fraction must be in (0, 1], --overlap in [0, 1]")
     if args.call_latency_us < 0:
@@ -215,10 +220,21 @@ def _run(args, overrides: dict[str, str]) -> int:
     if args.plot and shown:
         report.plot_memory(shown, args.plot, f"{cfg.model.preset} on {cluster.world} x {gpu.name}",
                            capacity=gpu.memory_bytes)
+    lines = _text(doc, result, args, unfit)
+    if args.simulate_top > 0 and result.ranked:
+        from shardwise.sim.hardware import build_hardware
+        from shardwise.sim.planning import rerank_lines, simulate_layouts
+
+        top = result.ranked[:args.simulate_top]
+        hw = build_hardware(args.gpu, nodes, gpn, args.hardware)
+        simulated = simulate_layouts(args.config, overrides, [c.layout for c in top], hw, cfg.parallel.pp_schedule)
+        for entry, sim in zip(doc["layouts"], simulated, strict=False):
+            entry["simulated"] = sim
+        lines += [""] + rerank_lines(top, simulated)
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
-        print("\n".join(_text(doc, result, args, unfit)))
+        print("\n".join(lines))
     if unfit is not None:
         print(f"error: {unfit.layout.short()} {report.does_not_fit(unfit, result.budget_bytes, gpu.memory_bytes)}",
               file=sys.stderr)

@@ -20,7 +20,9 @@ pairwise exchanges (all blocks posted at once), timed as such.
 Volumes per technique (per rank and step, ``payload`` = bytes handed to the collective, the
 trainer's ``comm_bytes``): data parallel all-reduces the gradients once per step; ZeRO-1/2
 reduce-scatter gradients and all-gather weights (same volume, ZeRO §7.2); ZeRO-3 all-gathers the
-weights in forward and backward and reduce-scatters gradients every micro-batch (1.5×, §7.2.2);
+weights in forward and backward and reduce-scatters gradients every micro-batch (1.5×, §7.2.2); inside a
+pipeline it gathers each stage's weights once per step and keeps them to the flush, after which it
+reduce-scatters the accumulated gradients once (1×, as ZeRO-1/2; what torchtitan's FSDP does in a pipeline);
 tensor parallel all-reduces b·s·h activations twice in forward and twice in backward per layer
 (Shoeybi et al. 2019 §3), or all-gathers and reduce-scatters them with sequence parallelism
 (Korthikanti et al. 2022 §4.2.2, same volume); pipeline stages send b·s·h activations forward
@@ -29,10 +31,9 @@ parallelism passes K and V around a ring (Liu et al. 2023, "Ring Attention"); ex
 exchanges tokens with two all-to-alls in forward and two in backward per MoE layer (Lepikhin et
 al. 2020, "GShard" §2.3).
 
-ZeRO++ hpZ (Wang et al. 2023 §3.2) moves ZeRO-3's backward gathers inside a node but leaves
-their size alone: the engine counts each backward gather, from the secondary partitions or not,
-as the full unit buffer (shardwise.parallel.zero.stage3 ``_gather``), so ``comm_bytes`` is the
-same with and without it, and so is the prediction here.
+ZeRO++ hpZ (Wang et al. 2023 §3.2) moves ZeRO-3's backward gathers inside a node of h ranks and
+leaves their size alone: each hands over the full unit buffer, so ``comm_bytes`` is the same with and
+without it, while a rank sends (h-1)/h of the buffer per backward gather instead of (N-1)/N.
 
 The pipeline item above is the busiest (middle) rank's volume in the planner's activation dtype,
 for the time model. What shardwise's trainer *measures* (``pp_sent_bytes``, on global rank 0) is
@@ -204,13 +205,27 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
             add(f"ZeRO-{lay.zero} grads", "reduce-scatter", group, psi * b["grads"], 1, stride, "backward",
                 zero_algorithm)
             add(f"ZeRO-{lay.zero} weights", "all-gather", group, psi * b["params"], 1, stride, "none", zero_algorithm)
+        elif lay.pp > 1:  # a stage's units stay gathered from the first forward to the flush: once a step
+            n_units = len(units.numels) if units is not None and kind == "dense" else 0
+            psi = units.psi_padded if units is not None and kind == "dense" else psi
+            add("ZeRO-3 weights (kept over the step)", "all-gather", group, psi * b["params"], 1, stride, "compute",
+                zero_algorithm, n_units)
+            add("ZeRO-3 grads (after the flush)", "reduce-scatter", group, psi * b["grads"], 1, stride, "none",
+                zero_algorithm, n_units)
         elif units is not None and kind == "dense":
             root = sum(units.padded_numels[:units.root_units])
             n_units, blocks = len(units.numels), len(units.numels) - units.root_units  # one collective per unit
             add("ZeRO-3 root weights (fwd)", "all-gather", group, root * b["params"], mb, stride, "compute",
                 zero_algorithm, mb * units.root_units)
-            add("ZeRO-3 block weights (fwd+bwd)", "all-gather", group, (units.psi_padded - root) * b["params"],
-                2 * mb, stride, "compute", zero_algorithm, 2 * mb * blocks)
+            block_bytes = (units.psi_padded - root) * b["params"]
+            if units.hpz > 1:  # hpZ: the backward gathers run inside each node of h ranks
+                add("ZeRO-3 block weights (fwd)", "all-gather", group, block_bytes, mb, stride, "compute",
+                    zero_algorithm, mb * blocks)
+                add("ZeRO-3 block weights (bwd, hpZ node)", "all-gather", units.hpz, block_bytes, mb, stride,
+                    "compute", zero_algorithm, mb * blocks)
+            else:
+                add("ZeRO-3 block weights (fwd+bwd)", "all-gather", group, block_bytes, 2 * mb, stride, "compute",
+                    zero_algorithm, 2 * mb * blocks)
             add("ZeRO-3 grads", "reduce-scatter", group, units.psi_padded * b["grads"], 1, stride, "backward",
                 zero_algorithm, n_units)
         else:

@@ -20,6 +20,7 @@ from shardwise.plan.context import cp_sent_bytes, ring_activation_bytes
 from shardwise.plan.flops import flops_per_token
 from shardwise.plan.hardware import BUILTIN_GPUS, Cluster
 from shardwise.plan.memory import (
+    FLUSH_METRICS,
     MEMORY_METRICS,
     MODEL_STATE_METRICS,
     STATE_CONVENTIONS,
@@ -29,7 +30,7 @@ from shardwise.plan.memory import (
 )
 from shardwise.plan.params import count_params
 from shardwise.plan.spec import Layout, model_spec, seq_len_of
-from shardwise.plan.zero_layout import model_params
+from shardwise.plan.tensors import even_stage_blocks, model_params
 from shardwise.train.metrics import read_metrics
 
 
@@ -47,23 +48,20 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     adds these bytes to both ``comm_bytes`` and ``comm_sent_bytes`` (point-to-point: payload = sent)."""
     m = model_spec(cfg)
     s = seq_len_of(cfg, m)
-    p = cfg.parallel
+    p, t = cfg.parallel, cfg.train
     world = (p.nproc or 1) * p.nnodes
-    dp = p.dp or max(1, world // (p.tp * p.pp * p.cp))
-    t = cfg.train
-    lay = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, offload=p.offload if p.zero else "none",
-                 sequence_parallel=p.sequence_parallel,
-                 pp_virtual=p.pp_virtual, micro_batch=t.micro_batch or 1,
-                 grad_accum=t.grad_accum or 1, recompute=t.recompute)
+    lay = run_layout(cfg)
+    dp = lay.dp
     states = STATE_CONVENTIONS["shardwise"]
     act_bytes = 4 if t.precision == "fp32" else 2
     mode = activation_mode(t.precision, states)
-    mem = memory_breakdown(m, lay, s, states, attention="flash", act_mode=mode, bucket_mb=p.bucket_mb,
-                           zero_unit=p.zero_unit, zero_hpz=p.zero_hpz)
-    cluster = Cluster(BUILTIN_GPUS["H100"], gpus_per_node=world)  # placement only; times are not compared
-    units = exact_zero_units(m, lay, p.bucket_mb, p.zero_unit, zero_hpz=p.zero_hpz)
-    # DataParallel's buckets carry one "had a gradient" flag per parameter tensor of the rank's part
     blocks = _rank0_blocks(cfg)
+    first_rank = blocks if p.pp > 1 else None  # a pipeline's ZeRO units are rank 0's stages'
+    mem = memory_breakdown(m, lay, s, states, attention="flash", act_mode=mode, bucket_mb=p.bucket_mb,
+                           zero_unit=p.zero_unit, zero_hpz=p.zero_hpz, first_rank_blocks=first_rank)
+    cluster = Cluster(BUILTIN_GPUS["H100"], gpus_per_node=world)  # placement only; times are not compared
+    units = exact_zero_units(m, lay, p.bucket_mb, p.zero_unit, zero_hpz=p.zero_hpz, first_rank_blocks=first_rank)
+    # DataParallel's buckets carry one "had a gradient" flag per parameter tensor of the rank's part
     first_stage = ("tok_emb", "pos_emb")  # with pp > 1 rank 0 holds the first stage, never the head
     tensors = sum(1 for e in model_params(m) if e.block in blocks or (e.block is None and (
         p.pp == 1 or e.name.split(".")[0] in first_stage))) if dp * p.cp > 1 else 0
@@ -96,17 +94,47 @@ def predicted_for_run(cfg: Config) -> dict[str, float]:
     return out
 
 
+def run_layout(cfg: Config) -> Layout:
+    """The planner's layout of a run's resolved config."""
+    p, t = cfg.parallel, cfg.train
+    world = (p.nproc or 1) * p.nnodes
+    dp = p.dp or max(1, world // (p.tp * p.pp * p.cp))
+    return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, offload=p.offload if p.zero else "none",
+                  sequence_parallel=p.sequence_parallel, pp_virtual=p.pp_virtual, micro_batch=t.micro_batch or 1,
+                  grad_accum=t.grad_accum or 1, recompute=t.recompute)
+
+
+def step_times(cfg: Config, gpu: str, hardware: str | None, efficiency: float) -> dict[str, dict[str, float]]:
+    """The run's step on ``gpu`` (``hardware``: a catalogue file with a [sim] table): the formula's
+    (:func:`shardwise.plan.perf.step_time`, at ``efficiency``) and the simulator's (:mod:`shardwise.sim`), on
+    the run's nodes and ranks per node."""
+    from shardwise.plan.hardware import find_gpu, load_catalogue
+    from shardwise.plan.perf import step_time
+    from shardwise.sim.hardware import build_hardware
+    from shardwise.sim.planning import simulated_for_run
+
+    p = cfg.parallel
+    m = model_spec(cfg)
+    lay = run_layout(cfg)
+    act_bytes = 4 if cfg.train.precision == "fp32" else 2
+    cluster = Cluster(find_gpu(gpu, load_catalogue(hardware)), gpus_per_node=p.nproc or 1, nodes=p.nnodes,
+                      efficiency=efficiency)
+    units = exact_zero_units(m, lay, p.bucket_mb, p.zero_unit, zero_hpz=p.zero_hpz)
+    formula = step_time(m, lay, seq_len_of(cfg, m), cluster, STATE_CONVENTIONS["shardwise"], cfg.train.precision,
+                        act_bytes, units)
+    hw = build_hardware(gpu, p.nnodes, p.nproc or 1, hardware)
+    return {"formula": {"step_time_s": formula.step_time_s, "tokens_per_s": formula.tokens_per_s, "mfu": formula.mfu},
+            "simulated": simulated_for_run(cfg, hw)}
+
+
 def _rank0_blocks(cfg: Config) -> set[int]:
-    """Blocks global rank 0 holds: all of them, or its pipeline stages' (chunks c * pp) by the trainer's
-    partition (parallel.pp_partition)."""
+    """Blocks global rank 0 holds: all of them, or those of its pipeline chunks c * pp (Narayanan et al. 2021
+    §2.2.2) under the planner's even split (:func:`~shardwise.plan.tensors.even_stage_blocks`; a partition
+    balanced by parameters or FLOPs, ``parallel.pp_partition``, may cut elsewhere)."""
     p = cfg.parallel
     if p.pp == 1:
         return set(range(cfg.model.n_layers))
-    from shardwise.parallel.pipeline.checks import pipeline_partition
-    from shardwise.parallel.pipeline.partition import partition
-
-    method, boundaries = pipeline_partition(p.pp_partition)
-    split = partition(cfg.model, p.pp * p.pp_virtual, method, boundaries, seq_len=cfg.data.seq_len)
+    split = even_stage_blocks(cfg.model.n_layers, p.pp * p.pp_virtual)
     return {b for c in range(p.pp_virtual) for b in split[c * p.pp]}
 
 
@@ -126,23 +154,15 @@ def tensor_parallel_bytes(items, lay: Layout, s: int, d_model: int, act_bytes: i
 
 def tp_grad_sync_bytes(m, lay: Layout) -> float:
     """Bytes of the gradient all-reduces tensor parallelism adds per step, one per parameter and backward
-    pass (micro-batch), fp32: with sequence parallelism every parameter the plan leaves whole (norms,
+    pass (micro-batch), fp32: with sequence parallelism every tensor Megatron leaves whole (norms,
     row-parallel biases, the position table) has a partial gradient summed over tp (Korthikanti et al.
     2022 §4.2.2); where tp > n_kv_heads the replicated key/value projections' gradients are summed at their
-    full size. Which modules are split is the plan's table (:data:`shardwise.parallel.tensor.plan.PLANS`)."""
-    from shardwise.parallel.tensor.plan import PLANS, style_of
-
+    full size. Which tensors are split is the planner's (:mod:`shardwise.plan.tensors`, Shoeybi et al. 2019
+    §3)."""
     if lay.tp == 1:
         return 0.0
-    plan = PLANS[m.flavor]
-    split = {"vocab_embedding", "colwise", "colwise_kv", "vocab_head"}
-    total = 0
-    for p in model_params(m):
-        module, _, kind = p.name.rpartition(".")
-        style = style_of(plan, module)
-        whole = style not in split and not (style == "rowwise" and kind == "weight")
-        if (whole and lay.sequence_parallel) or (style == "colwise_kv" and lay.tp > m.n_kv_heads):
-            total += p.numel * 4
+    total = sum(p.numel * 4 for p in model_params(m)
+                if (p.split == "whole" and lay.sequence_parallel) or (p.split == "column_kv" and lay.tp > m.n_kv_heads))
     return float(total * lay.grad_accum)
 
 
@@ -161,7 +181,8 @@ def measured_for_run(run_dir: Path) -> dict[str, float]:
     return out
 
 
-def compare_run(run_dir: Path, as_json: bool = False) -> int:
+def compare_run(run_dir: Path, as_json: bool = False, gpu: str = "H100", hardware: str | None = None,
+                efficiency: float = 0.5) -> int:
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.toml"
     if not cfg_path.is_file():
@@ -188,11 +209,16 @@ def compare_run(run_dir: Path, as_json: bool = False) -> int:
     if cfg.parallel.ep > 1:
         rows.insert(2, ("ep_sent_bytes", pred["ep_sent_bytes"], meas.get("ep_sent_bytes")))
     rows += [(k, pred[k], meas.get(k)) for k in (*MEMORY_METRICS, "mem_total_bytes")]
-    rows += [(k, None, meas.get(k)) for k in ("tokens_per_s", "step_time_s", "mfu")]
+    rows += [(k, pred.get(k), meas.get(k)) for k in FLUSH_METRICS if k in pred or k in meas]
+    times = step_times(cfg, gpu, hardware, efficiency)
+    for k in ("step_time_s", "tokens_per_s", "mfu"):
+        rows += [(f"{k} (formula, {gpu})", times["formula"][k], meas.get(k)),
+                 (f"{k} (simulated, {gpu})", times["simulated"][k], meas.get(k))]
     rows += [("parameters", pred["parameters"], None), ("flops_per_token", pred["flops_per_token"], None)]
     rows += [(k, v, None) for k, v in derived.items()]
     if as_json:
         print(json.dumps({"run_dir": str(run_dir), "predicted": pred, "measured": meas, "derived": derived,
+                          "step_time": times,
                           "note": "activations and buffers are not measured by the trainer yet"},
                          indent=2))
         return 0

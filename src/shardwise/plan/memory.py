@@ -11,6 +11,8 @@ Offload moves the sharded gradients, master weights and optimizer states to host
 (ZeRO-Offload, Ren et al. 2021, §4) or NVMe (ZeRO-Infinity, Rajbhandari et al. 2021, §5).
 For layouts shardwise's ZeRO engine runs, the lines use its exact flat units, each padded to a
 multiple of N_d (:mod:`shardwise.plan.zero_layout`); the paper's unpadded Ψ/N_d stays beside them.
+Inside a pipeline ZeRO-2/3 also hold the stage's unsharded gradients and (ZeRO-3) gathered parameters
+until the flush (:func:`pipeline_flush_lines`).
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", §4, Table 2): per layer, with s tokens, micro-batch b, hidden h, a heads, t-way tensor
@@ -31,7 +33,14 @@ from dataclasses import dataclass, field
 
 from shardwise.plan.params import attention_params, block_params, mlp_params, norm_params
 from shardwise.plan.spec import Layout, ModelSpec
-from shardwise.plan.zero_layout import ParamEntry, ZeroUnits, engine_state_bytes, model_params, zero_units
+from shardwise.plan.zero_layout import (
+    ParamEntry,
+    ZeroUnits,
+    engine_state_bytes,
+    first_rank_params,
+    model_params,
+    zero_units,
+)
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -41,6 +50,11 @@ MEMORY_METRICS = ("mem_params_bytes", "mem_grads_bytes", "mem_master_bytes", "me
 """Per-rank memory categories, under the names the trainer's metrics use: the memory accountant
 (shardwise.train.memory) logs ``mem_{params,grads,master,optimizer}_bytes`` and their sum
 ``mem_total_bytes``; activations and buffers are predicted only, for now."""
+
+FLUSH_METRICS = ("mem_gathered_bytes", "mem_grad_accum_bytes")
+"""What a ZeRO-2/3 pipeline step holds until its flush beyond the sharded model state (device lines, so in
+the device total; the accountant measures them at the flush): ZeRO-3's gathered stage and the gradients
+accumulated unsharded over the micro-batches (:func:`pipeline_flush_lines`)."""
 
 
 @dataclass(frozen=True)
@@ -195,15 +209,19 @@ def hpz_of(lay: Layout, zero_hpz: int = 1) -> int:
 
 
 def exact_zero_units(m: ModelSpec, lay: Layout, bucket_mb: float = 25.0, zero_unit: int = 1,
-                     params: list[ParamEntry] | None = None, zero_hpz: int = 1) -> ZeroUnits | None:
+                     params: list[ParamEntry] | None = None, zero_hpz: int = 1,
+                     first_rank_blocks: set[int] | None = None) -> ZeroUnits | None:
     """The engine's padded flat units (:mod:`shardwise.plan.zero_layout`) when the layout is one the
-    ZeRO engine runs (ZeRO >= 1, dense model, no tp/pp; sharded over dp·cp); None otherwise (the paper's formula).
-    ``zero_hpz`` is ``parallel.zero_hpz`` (ZeRO++ hpZ secondary partitions, see :func:`hpz_of`)."""
-    if lay.zero == 0 or m.n_experts or lay.tp * lay.pp != 1:
+    ZeRO engine runs (ZeRO >= 1, dense model, no tp; sharded over dp·cp); None otherwise (the paper's formula).
+    With a pipeline, those of pipeline rank 0, whose blocks ``first_rank_blocks`` names (None: no exact units,
+    since rank 0 need not be the busiest stage). ``zero_hpz`` is ``parallel.zero_hpz`` (ZeRO++ hpZ secondary
+    partitions, see :func:`hpz_of`)."""
+    if lay.zero == 0 or m.n_experts or lay.tp != 1 or (lay.pp > 1 and first_rank_blocks is None):
         return None
-    return zero_units(params if params is not None else model_params(m), lay.zero, lay.dp * lay.cp, bucket_mb,
-                      zero_unit,
-                      hpz_of(lay, zero_hpz))
+    params = params if params is not None else model_params(m)
+    if lay.pp > 1:
+        params = first_rank_params(params, first_rank_blocks)
+    return zero_units(params, lay.zero, lay.dp * lay.cp, bucket_mb, zero_unit, hpz_of(lay, zero_hpz))
 
 
 def model_state_lines(m: ModelSpec, lay: Layout, states: StateDtypes, out: MemoryBreakdown,
@@ -250,6 +268,28 @@ def model_state_lines(m: ModelSpec, lay: Layout, states: StateDtypes, out: Memor
                     "host" if lay.offload == "cpu" else "disk", paper_bytes=paper)
         else:
             out.add(f"mem_{key}_bytes", value, formula, "Rajbhandari et al. 2019 (ZeRO) §3.1, §5", paper_bytes=paper)
+
+
+def pipeline_flush_lines(m: ModelSpec, lay: Layout, states: StateDtypes, out: MemoryBreakdown,
+                         units: ZeroUnits | None = None) -> None:
+    """ZeRO-2/3 inside a pipeline (shardwise.parallel.zero ``pipeline_step``, as FSDP inside torchtitan's
+    pipelines): the gradients of every micro-batch accumulate unsharded until the flush, then are
+    reduce-scattered once; ZeRO-3 keeps the stage's parameters gathered from its first forward to the flush.
+    So during the step a rank also holds its stage's full gradients and (ZeRO-3) its full parameters --
+    the engine's padded units with ``units``, else Ψ_rank. Sharding pays off between steps (the optimizer's
+    states, ZeRO-1) and in the memory the stage's weights and gradients leave between steps."""
+    if lay.pp == 1 or lay.zero < 2 or lay.dp * lay.cp == 1:
+        return
+    dense, expert = params_per_rank(m, lay)
+    psi = units.psi_padded if units is not None else dense + expert
+    what = f"padded units ({psi:,} elements)" if units is not None else "Psi_rank"
+    b = states.bytes()
+    source = "ZeRO §5.2-5.3 with one reduce-scatter per step (torchtitan's FSDP in a pipeline)"
+    out.add("mem_grad_accum_bytes", psi * b["grads"], f"{b['grads']} B x {what}: gradients accumulated unsharded "
+            f"over {lay.grad_accum} micro-batches until the flush", source)
+    if lay.zero == 3:
+        out.add("mem_gathered_bytes", psi * b["params"], f"{b['params']} B x {what}: the stage's parameters "
+                "gathered from its first forward to the flush", source)
 
 
 # ---- activations ----------------------------------------------------------------------------
@@ -368,7 +408,9 @@ def buffer_lines(m: ModelSpec, lay: Layout, states: StateDtypes, out: MemoryBrea
     if lay.dp * lay.cp == 1 or lay.zero == 0:
         return
     bucket = bucket_mb * 2**20
-    if lay.zero == 3:
+    if lay.zero == 3 and lay.pp > 1:  # the whole stage is gathered: mem_gathered_bytes
+        out.add("mem_buffers_bytes", bucket, "1 reduce bucket (the gathered stage: mem_gathered_bytes)", "ZeRO §6.2")
+    elif lay.zero == 3:
         gathered = 2 * block_params(m) / lay.tp * states.bytes()["params"]
         out.add("mem_buffers_bytes", gathered + bucket, "2 gathered blocks + 1 reduce bucket", "ZeRO §6.2")
     else:
@@ -377,14 +419,17 @@ def buffer_lines(m: ModelSpec, lay: Layout, states: StateDtypes, out: MemoryBrea
 
 def memory_breakdown(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, attention: str = "flash",
                      act_mode: str = "16bit", bucket_mb: float = 25.0, zero_unit: int = 1,
-                     params: list[ParamEntry] | None = None, zero_hpz: int = 1) -> MemoryBreakdown:
+                     params: list[ParamEntry] | None = None, zero_hpz: int = 1,
+                     first_rank_blocks: set[int] | None = None) -> MemoryBreakdown:
     """Every memory line of one rank for ``lay``; ``act_mode`` from :func:`activation_mode`.
     ``bucket_mb``, ``zero_unit`` and ``zero_hpz`` are ``parallel.bucket_mb`` / ``parallel.zero_unit`` /
     ``parallel.zero_hpz``; ``params`` (:func:`shardwise.plan.zero_layout.model_params`, built when
-    needed) saves rebuilding the model's parameter list for every layout of a search."""
+    needed) saves rebuilding the model's parameter list for every layout of a search;
+    ``first_rank_blocks``: with a pipeline, rank 0's blocks, for its exact ZeRO units (:func:`exact_zero_units`)."""
     out = MemoryBreakdown()
-    model_state_lines(m, lay, states, out, exact_zero_units(m, lay, bucket_mb, zero_unit, params, zero_hpz),
-                      zero_hpz)
+    units = exact_zero_units(m, lay, bucket_mb, zero_unit, params, zero_hpz, first_rank_blocks)
+    model_state_lines(m, lay, states, out, units, zero_hpz)
+    pipeline_flush_lines(m, lay, states, out, units)
     activation_lines(m, lay, s, out, attention, act_mode)
     buffer_lines(m, lay, states, out, bucket_mb)
     return out

@@ -6,11 +6,20 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from shardwise.plan.memory import MEMORY_METRICS, MODEL_STATE_METRICS
+from shardwise.plan.memory import FLUSH_METRICS, MEMORY_METRICS, MODEL_STATE_METRICS
 from shardwise.plan.search import Candidate
 
 SHORT = {"mem_params_bytes": "params", "mem_grads_bytes": "grads", "mem_master_bytes": "master",
-         "mem_optimizer_bytes": "optim", "mem_activations_bytes": "activ", "mem_buffers_bytes": "buffers"}
+         "mem_optimizer_bytes": "optim", "mem_activations_bytes": "activ", "mem_buffers_bytes": "buffers",
+         "flush": "flush"}
+COLUMNS = (*MEMORY_METRICS, "flush")
+"""The table's memory columns; "flush" is what a ZeRO-2/3 pipeline step holds until its flush
+(:data:`~shardwise.plan.memory.FLUSH_METRICS`: the gathered stage, the unsharded gradients)."""
+
+
+def memory_columns(by_metric: dict[str, float]) -> dict[str, float]:
+    """The device memory by table column."""
+    return {**{k: by_metric[k] for k in MEMORY_METRICS}, "flush": sum(by_metric.get(k, 0.0) for k in FLUSH_METRICS)}
 
 
 def gb(x: float) -> str:
@@ -51,14 +60,14 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
 
 
 def layouts_table(cands: list[Candidate]) -> list[str]:
-    head = (f"{'#':>2}  {'layout':<44} {'mem GB':>7} " + " ".join(f"{SHORT[k]:>7}" for k in MEMORY_METRICS)
+    head = (f"{'#':>2}  {'layout':<44} {'mem GB':>7} " + " ".join(f"{SHORT[k]:>7}" for k in COLUMNS)
             + f" {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'bubble':>6} {'sent GB':>8}")
     lines = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
-        mem = c.memory.by_metric("device")
+        mem = memory_columns(c.memory.by_metric("device"))
         t = c.time
         lines.append(f"{i:>2}  {c.layout.short():<44} {gb(c.mem_bytes):>7} "
-                     + " ".join(f"{gb(mem[k]):>7}" for k in MEMORY_METRICS)
+                     + " ".join(f"{gb(mem[k]):>7}" for k in COLUMNS)
                      + f" {t.step_time_s:>8.4g} {t.tokens_per_s:>10,.0f} {t.mfu:>6.1%} {t.bubble_fraction:>6.1%}"
                      + f" {t.comm_sent_bytes / 1e9:>8.2f}")
     return lines
@@ -102,8 +111,8 @@ def plot_memory(cands: list[Candidate], path: str | Path, title: str = "", capac
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(cands) + 2), 4.5))
     names = [c.layout.short().replace(" ", "\n", 3) for c in cands]
     bottom = [0.0] * len(cands)
-    for key in MEMORY_METRICS:
-        vals = [c.memory.by_metric("device")[key] / 1e9 for c in cands]
+    for key in COLUMNS:
+        vals = [memory_columns(c.memory.by_metric("device"))[key] / 1e9 for c in cands]
         ax.bar(names, vals, bottom=bottom, label=SHORT[key])
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     if capacity:

@@ -2,9 +2,11 @@
 drop what violates divisibility or does not fit; rank the rest by predicted tokens/s.
 
 Constraints follow Megatron-LM's (Narayanan et al. 2021 §3.3, "Takeaways"): tensor parallelism
-within a node and dividing the heads; pipeline stages dividing the layers; ZeRO-2/3 not combined
-with pipeline parallelism (gradients accumulate over micro-batches; DeepSpeed allows ZeRO-1 only);
-expert parallelism dividing the experts and dp·cp (shardwise.dist.mesh).
+within a node and dividing the heads; pipeline stages dividing the layers; expert parallelism dividing
+the experts and dp·cp (shardwise.dist.mesh). ZeRO-2/3 inside a pipeline is searched too (DeepSpeed allows
+only ZeRO-1 there; torchtitan composes FSDP with every schedule): its memory lines hold the stage's
+unsharded gradients and, ZeRO-3, its gathered parameters until the flush (:func:`~shardwise.plan.memory.
+pipeline_flush_lines`), so it wins only where the optimizer's states dominate.
 """
 
 from __future__ import annotations
@@ -89,8 +91,6 @@ def check(m: ModelSpec, lay: Layout, s: int, cluster: Cluster) -> str | None:
         return "cp does not divide the sequence (in even chunks)"
     if (lay.dp * lay.cp) % lay.ep or (m.n_experts and m.n_experts % lay.ep) or (not m.n_experts and lay.ep > 1):
         return "ep does not divide dp·cp and the experts"
-    if lay.pp > 1 and lay.zero >= 2:
-        return "ZeRO-2/3 with pipeline parallelism"
     if lay.sequence_parallel and lay.tp == 1:
         return "sequence parallel without tensor parallel"
     if lay.offload != "none" and lay.zero == 0:

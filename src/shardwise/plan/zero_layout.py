@@ -1,77 +1,54 @@
-"""The exact flat-unit layout of shardwise's ZeRO engine: model-state bytes per rank to the byte.
+"""ZeRO's flat units as the planner assumes them: model-state bytes per rank, padding included.
 
-Rajbhandari et al. 2020, "ZeRO" (SC'20), §5 divides Ψ parameters evenly over N_d ranks. The
-engine (shardwise.parallel.zero) does so unit by unit: each unit's parameters are laid end to end
-in one flat buffer *padded* to a multiple of N (``FlatUnit``: shard = ⌈numel/N⌉, padded = shard·N),
-and rank r owns the r-th slice. So the exact per-rank bytes use, per unit u, ⌈n_u/N⌉ instead of
-n_u/N. The units are (``ZeroDataParallel._unit_groups``):
+Rajbhandari et al. 2020, "ZeRO" (SC'20), §5 divides Ψ parameters evenly over N_d ranks. An engine that
+keeps each *unit* of parameters in one flat buffer (DeepSpeed's flat partitions, FSDP's FlatParameter)
+pads the buffer to a multiple of N, so rank r owns the r-th of N equal slices: per unit u, ⌈n_u/N⌉
+elements per rank instead of n_u/N. The planner assumes these units (the rules are stated here; the
+trainer's are its own code, and ``tests/test_plan_measured.py`` holds the two against each other):
 
-* ZeRO-1/2: the trainable parameters (tied ones once, ``named_parameters()`` order) grouped into
-  buckets in *reverse* registration order, a bucket closed as soon as it holds at least
-  ``parallel.bucket_mb`` MiB of the module's (fp32) parameters (``shardwise.parallel.data._chunks``;
-  a larger parameter gets a bucket of its own), as torch DDP does.
-* ZeRO-3: ``parallel.zero_unit`` transformer blocks per unit, plus a root unit holding every other
-  parameter (embeddings, final norm, untied head).
+* ZeRO-1/2: the model's trainable tensors (:func:`shardwise.plan.tensors.model_params`, a tied one once)
+  grouped as DDP groups them into buckets (Li et al. 2020, "PyTorch Distributed", §3.2.3): in *reverse*
+  registration order, a bucket closed as soon as it holds at least ``parallel.bucket_mb`` MiB of fp32
+  parameters (a larger tensor gets a bucket of its own).
+* ZeRO-3: FSDP's wrapping of a transformer (Zhao et al. 2023, "PyTorch FSDP", §3.2.1: one unit per
+  ``parallel.zero_unit`` transformer blocks), plus a root unit holding every other parameter
+  (embeddings, final norm, untied head).
+* inside a pipeline, the same over what pipeline rank 0 holds (:func:`first_rank_params`: its stages'
+  embedding side and blocks, registered in that order); ZeRO-3's units restart at each of its chunks.
 
-With ZeRO++ hierarchical partitioning (hpZ, ``parallel.zero_hpz = h``; Wang et al. 2023,
-"ZeRO++", §3.2; shardwise.parallel.zero.hpz) a ZeRO-3 rank also keeps, from each unit's forward
-gather to its backward gather, a *secondary partition* of that unit sharded over the h ranks of
-its node: ``padded_numel // h`` elements per unit, for every unit but the root (which stays
-gathered from forward to backward). The accountant counts their capacity with the parameters
-(``NodePartition.nbytes``, added in ``ZeroDataParallel.model_state_bytes``).
+With ZeRO++ hierarchical partitioning (hpZ, ``parallel.zero_hpz = h``; Wang et al. 2023, "ZeRO++",
+§3.2) a ZeRO-3 rank also keeps, from each unit's forward gather to its backward gather, a *secondary
+partition* of that unit sharded over the h ranks of its node: ``padded_numel // h`` elements per unit,
+for every unit but the root (which stays gathered from forward to backward): the paper's "M/h".
 
-What a rank holds (the accountant, shardwise.train.memory): parameters — the padded full buffers
-(stages 1, 2) or the padded slices (stage 3); gradients — the padded full buffers (stage 1) or
-the padded slices (stages 2, 3); optimizer states and separate master weights — one entry per
-*real* element of the rank's slices (``Piece``s: padding has none), so rank 0, whose slices are
-all real, is the busiest, and its bytes are the paper's formula with Ψ replaced by the padded
-Σ_u ⌈n_u/N⌉·N.
-
-The parameter shapes come from building the model on the meta device (no memory is allocated).
+What a rank holds: parameters -- the padded full buffers (stages 1, 2) or the padded slices (stage 3);
+gradients -- the padded full buffers (stage 1) or the padded slices (stages 2, 3); optimizer states and
+separate master weights -- one entry per *real* element of the rank's slices (padding has none), so
+rank 0, whose slices are all real, is the busiest, and its bytes are the paper's formula with Ψ replaced
+by the padded Σ_u ⌈n_u/N⌉·N.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.plan.spec import ModelSpec, model_config_of
+from shardwise.plan.spec import ModelSpec
+from shardwise.plan.tensors import ParamEntry
+from shardwise.plan.tensors import model_params as shape_params
 
 MODULE_PARAM_BYTES = 4
-"""The trainer's model holds fp32 parameters (``torch.autocast`` makes the low-precision copies);
-the bucket cap counts their bytes."""
-
-
-@dataclass(frozen=True)
-class ParamEntry:
-    """One trainable parameter of the model, in registration order."""
-
-    name: str
-    numel: int
-    block: int | None
-    """Index of the transformer block it belongs to (None: embeddings, final norm, head)."""
+"""The module holds fp32 parameters (mixed precision makes the low-precision copies, Micikevicius et
+al. 2018); the bucket cap counts their bytes."""
 
 
 def model_params(spec: ModelSpec) -> list[ParamEntry]:
-    """The trainable parameters of ``Transformer(spec)``, deduplicated as ``named_parameters()`` does
-    (a tied head appears once, as the token embedding), built on the meta device."""
-    import torch
-
-    from shardwise.model.transformer import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(model_config_of(spec))
-    out = []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            parts = name.split(".")
-            block = int(parts[1]) if parts[0] == "blocks" else None
-            out.append(ParamEntry(name, p.numel(), block))
-    return out
+    """The model's trainable tensors from its shape (:func:`shardwise.plan.tensors.model_params`)."""
+    return shape_params(spec)
 
 
 def bucket_numels(numels: list[int], bucket_mb: float, elem_bytes: int = MODULE_PARAM_BYTES) -> list[list[int]]:
     """ZeRO-1/2 units: ``numels`` (registration order) bucketed in reverse order, each bucket closed
-    once it reaches ``bucket_mb`` MiB (shardwise.parallel.data ``_assign_buckets``/``_chunks``)."""
+    once it reaches ``bucket_mb`` MiB (DDP's rule, Li et al. 2020 §3.2.3)."""
     cap = max(int(bucket_mb * 2**20), 1)
     buckets, current, size = [], [], 0
     for n in reversed(numels):
@@ -85,14 +62,41 @@ def bucket_numels(numels: list[int], bucket_mb: float, elem_bytes: int = MODULE_
     return buckets
 
 
+def chunk_runs(blocks: list[int]) -> list[list[int]]:
+    """The runs of consecutive block indices: a pipeline rank's chunks (its stages c·p + rank hold blocks
+    that are never adjacent when p > 1), or the whole model's one run."""
+    runs: list[list[int]] = []
+    for b in sorted(set(blocks)):
+        if runs and runs[-1][-1] == b - 1:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    return runs
+
+
 def stage3_numels(params: list[ParamEntry], zero_unit: int) -> list[list[int]]:
-    """ZeRO-3 units: the root (every parameter outside the blocks) first, then ``zero_unit`` blocks each."""
-    n_blocks = 1 + max((p.block for p in params if p.block is not None), default=-1)
+    """ZeRO-3 units: the root (every parameter outside the blocks) first, if there is any, then ``zero_unit``
+    blocks each, counted from the first block of each chunk (a unit never spans two chunks)."""
     root = [p.numel for p in params if p.block is None]
-    units = [root]
-    for first in range(0, n_blocks, zero_unit):
-        units.append([p.numel for p in params if p.block is not None and first <= p.block < first + zero_unit])
+    units = [root] if root else []
+    for run in chunk_runs([p.block for p in params if p.block is not None]):
+        for i in range(0, len(run), zero_unit):
+            group = set(run[i:i + zero_unit])
+            units.append([p.numel for p in params if p.block in group])
     return units
+
+
+EMBEDDING_SIDE = ("tok_emb", "pos_emb", "type_emb", "emb_norm")
+"""What the first pipeline stage holds besides its blocks (GPipe, Huang et al. 2019 §2.1: the embedding
+starts the first cell)."""
+
+
+def first_rank_params(params: list[ParamEntry], blocks: set[int]) -> list[ParamEntry]:
+    """The parameters pipeline rank 0 holds (``blocks``: those of its stages c·p), in the order its stages
+    register them: the embedding side first, then the blocks. Its stages are never the last (p > 1), so it
+    holds no head."""
+    return ([e for e in params if e.block is None and e.name.split(".")[0] in EMBEDDING_SIDE]
+            + [e for e in params if e.block in blocks])
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,8 @@ class ZeroUnits:
     world: int
     numels: tuple[int, ...]
     root_units: int = 0
-    """Leading units gathered once per micro-batch in ZeRO-3 (the root); the others twice."""
+    """Leading units gathered once per micro-batch in ZeRO-3 (the root: 1, or 0 on a pipeline rank without
+    one); the others twice."""
     n_tensors: int = 0
     """Parameter tensors in all units: the engine all-reduces one uint8 "had a gradient" flag per
     tensor each step (``ZeroDataParallel._agree_on_grads``)."""
@@ -157,8 +162,7 @@ class ZeroUnits:
 
 def zero_units(params: list[ParamEntry], stage: int, world: int, bucket_mb: float = 25.0,
                zero_unit: int = 1, hpz: int = 1) -> ZeroUnits:
-    """The units ``ZeroDataParallel(model, stage=stage, bucket_mb=..., unit_blocks=zero_unit,
-    hpz_size=hpz)`` builds on ``world`` data-parallel ranks, for the parameters ``params``
+    """The units of the rules above on ``world`` data-parallel ranks, for the tensors ``params``
     (:func:`model_params`)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage {stage}; the engine has units for stages 1, 2 and 3")
@@ -168,7 +172,8 @@ def zero_units(params: list[ParamEntry], stage: int, world: int, bucket_mb: floa
         groups = stage3_numels(params, zero_unit)
     else:
         groups = bucket_numels([p.numel for p in params], bucket_mb)
-    return ZeroUnits(stage, world, tuple(sum(g) for g in groups), root_units=1 if stage == 3 else 0,
+    has_root = any(p.block is None for p in params)
+    return ZeroUnits(stage, world, tuple(sum(g) for g in groups), root_units=1 if stage == 3 and has_root else 0,
                      n_tensors=sum(len(g) for g in groups), hpz=hpz)
 
 

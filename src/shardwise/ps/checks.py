@@ -16,7 +16,8 @@ def worker_world(cfg: Config, world: int) -> int:
     if s >= world:
         raise ConfigError(f"ps.servers={s} leaves no worker among the {world} ranks; use at most {world - 1} "
                           f"or raise parallel.nproc")
-    for dotted, value, off in [("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1), ("parallel.zero", p.zero, 0)]:
+    for dotted, value, off in [("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1), ("parallel.cp", p.cp, 1),
+                               ("parallel.zero", p.zero, 0)]:
         if value != off:  # checked first: the other layout checks would count the servers' ranks
             raise ConfigError(f"ps.servers={s} with {dotted}={value}: the parameter server's workers hold "
                               f"whole replicas; use {dotted}={off} or ps.servers=0")
@@ -44,16 +45,22 @@ def check(cfg: Config) -> None:
     if p.backend == "nccl":
         raise ConfigError(f"ps.servers={ps.servers} with parallel.backend='nccl': the parameter server runs on "
                           "gloo point-to-point (CPU tensors); use parallel.backend='gloo' or run.device='cpu'")
+    if cfg.run.device == "cuda":
+        raise ConfigError(f"ps.servers={ps.servers} with run.device='cuda': the parameter server's pushes and pulls "
+                          "are gloo point-to-point, which takes CPU tensors only; use run.device='cpu'")
     if t.precision == "fp16":
         raise ConfigError(f"ps.servers={ps.servers} with train.precision='fp16': the loss scaler's skipped steps "
                           "would need every worker to agree; use train.precision='bf16' or 'fp32'")
     if t.recompute != "none":
         raise ConfigError(f"ps.servers={ps.servers} with train.recompute={t.recompute!r}: the parameter-server "
                           "workers run the plain model; use train.recompute='none'")
-    if t.objective != "causal" or cfg.model.init_from:
-        raise ConfigError(f"ps.servers={ps.servers} with train.objective={t.objective!r}, model.init_from="
-                          f"{cfg.model.init_from!r}: the parameter server trains next-token windows from the seed's "
-                          "initialisation for now; use train.objective='causal' and no init_from")
+    if t.objective != "causal":
+        raise ConfigError(f"ps.servers={ps.servers} with train.objective={t.objective!r}: the parameter server trains "
+                          "next-token windows for now; use train.objective='causal' or ps.servers=0")
+    if cfg.model.init_from:
+        raise ConfigError(f"ps.servers={ps.servers} with model.init_from={cfg.model.init_from!r}: the parameter "
+                          "server starts from the seed's initialisation for now; remove model.init_from or use "
+                          "ps.servers=0")
 
 
 def _is_number(text: str) -> bool:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from shardwise.config import Config
 from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus, val_indices
-from shardwise.dist.mesh import init_distributed
+from shardwise.dist.mesh import default_group_timeout, init_distributed
 from shardwise.model import Transformer
 from shardwise.parallel.tensor import state as tp_state
 from shardwise.ps import protocol
@@ -32,10 +32,11 @@ from shardwise.ps.partition import partition_model
 from shardwise.ps.server import Server
 from shardwise.ps.worker import Worker
 from shardwise.train import state as train_state
-from shardwise.train.checkpoint import latest_valid_checkpoint
+from shardwise.train.checkpoint import CheckpointError, latest_valid_checkpoint
 from shardwise.train.metrics import MetricsLogger
 from shardwise.train.optim import build_optimizer, lr_at, set_lr
 from shardwise.train.precision import autocast_context
+from shardwise.train.recovery import resume_wanted
 from shardwise.train.result import TrainResult
 from shardwise.train.sharded import save_sharded, whole
 
@@ -67,8 +68,8 @@ def run_ps(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: 
         raise RuntimeError(f"ps.servers={n_servers} of {world} ranks leaves {n_workers} workers, but the config "
                            f"was resolved for parallel.dp={cfg.parallel.dp}")
     workers, servers = list(range(n_workers)), list(range(n_workers, world))
-    worker_group = dist.new_group(workers)
-    server_group = dist.new_group(servers)
+    worker_group = dist.new_group(workers, timeout=default_group_timeout())  # bounded as parallel.timeout_s
+    server_group = dist.new_group(servers, timeout=default_group_timeout())
     run_dir, tcfg = Path(run_dir), cfg.train
     timeout = cfg.parallel.timeout_s
 
@@ -90,9 +91,12 @@ def run_ps(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: 
     reader, start_step = None, 0
     log = MetricsLogger(run_dir, enabled=rank == 0, total_steps=tcfg.steps,
                         tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
-    if cfg.ckpt.resume:
+    if resume_wanted(cfg.ckpt.resume):  # asked for, or the elastic agent restarted the group
         warn = log.log_event if rank == 0 else (lambda _m: None)
-        found = latest_valid_checkpoint(run_dir / "checkpoints", warn=warn)
+        found = latest_valid_checkpoint(run_dir / "checkpoints", warn=warn, keep_aside=rank == 0)
+        if found is None and cfg.ckpt.resume:
+            raise CheckpointError(f"ckpt.resume=true but no checkpoint in {run_dir / 'checkpoints'} verifies: "
+                                  "nothing to resume")
         if found is not None:
             reader = train_state.open_checkpoint(found)
             start_step = int(reader.meta["step"])

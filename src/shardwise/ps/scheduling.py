@@ -7,7 +7,9 @@ so a later, more urgent partition is not stuck behind a long queue already hande
 
 * ``fifo``: every partition is sent as soon as its gradient is ready;
 * ``priority``: ready partitions wait in a heap keyed by (layer, key); one is sent while the bytes in
-  flight stay within ``credit_bytes`` (one is always allowed, however large).
+  flight stay within ``credit_bytes`` (one is always allowed, however large). Queued pushes start as soon
+  as credit frees up -- when a send completes (ByteScheduler's "credit-based preemption": the scheduler
+  is woken by the completion, not by the next ready tensor) -- as well as when a new partition is ready.
 
 The scheduler measures what it did: bytes whose send started before backward ended (the overlap) and the
 time from the end of backward until the last push finished (the exposed communication).
@@ -30,12 +32,13 @@ class Completions:
     """Bytes in flight, retired by a helper thread that waits on each send in order.
 
     gloo's point-to-point works report completion only to ``wait()``, so the credit of bytes in flight is
-    kept by one daemon thread that waits on every push (bounded by ``timeout_s``) and releases its bytes;
-    the training thread only reads the count. A failed or timed-out send is re-raised in the training
-    thread at its next call."""
+    kept by one daemon thread that waits on every push (bounded by ``timeout_s``) and releases its bytes,
+    then calls ``on_release`` (the scheduler starts what the freed credit allows); the training thread
+    only reads the count. A failed or timed-out send is re-raised in the training thread at its next call."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, on_release: Callable[[], None] | None = None):
         self.timeout_s = timeout_s
+        self.on_release = on_release
         self.in_flight = 0
         self.error: BaseException | None = None
         self._cond = threading.Condition()
@@ -61,6 +64,11 @@ class Completions:
             with self._cond:
                 self.in_flight -= size
                 self._cond.notify_all()
+            if self.on_release is not None and self.error is None:
+                try:
+                    self.on_release()
+                except BaseException as e:  # noqa: BLE001 - a send that failed to start: the training thread's
+                    self.error = self.error or e
 
     def wait_until(self, at_most: int) -> None:
         """Block until no more than ``at_most`` bytes are in flight (or a send failed)."""
@@ -73,6 +81,9 @@ class Completions:
         if self.error is not None:
             raise self.error
 
+    def is_completion_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     def close(self) -> None:
         self._queue.put(None)
 
@@ -84,18 +95,24 @@ class PushScheduler:
         if policy not in POLICIES:
             raise ValueError(f"ps.scheduling={policy!r} is not valid; use one of {', '.join(POLICIES)}")
         self.policy, self.credit, self.send = policy, credit_bytes, send
-        self.flight = Completions(timeout_s)
+        self._lock = threading.RLock()
+        """Held while a push is taken from the heap and started: the training thread (gradient hooks) and
+        the completion thread both start pushes, and a push's header and payload must go out in order."""
         self._heap: list = []
         self.backward_done = False
         self.bytes_during_backward = self.bytes_total = 0
         self.max_in_flight = 0
+        self.started_by_completion = 0
+        """Messages started by the completion thread (when a finished send freed credit), this step."""
+        self.flight = Completions(timeout_s, on_release=self._start_queued)
 
     def ready(self, priority: int, key: int, nbytes: int, item) -> None:
         """A partition's gradient is ready (called from a gradient hook)."""
-        if self.policy == "fifo":
-            self._start(item)
-            return
-        heapq.heappush(self._heap, (priority, key, nbytes, item))
+        with self._lock:
+            if self.policy == "fifo":
+                self._start(item)
+                return
+            heapq.heappush(self._heap, (priority, key, nbytes, item))
         self.pump()
 
     def _fits(self) -> bool:
@@ -104,8 +121,12 @@ class PushScheduler:
     def pump(self) -> None:
         """Start queued pushes, most urgent first, while the credit allows (never blocks)."""
         self.flight.check()
-        while self._heap and self._fits():
-            self._start(heapq.heappop(self._heap)[3])
+        self._start_queued()
+
+    def _start_queued(self) -> None:
+        with self._lock:
+            while self._heap and self._fits():
+                self._start(heapq.heappop(self._heap)[3])
 
     def _start(self, item) -> None:
         for work, size, what in self.send(item):
@@ -113,14 +134,19 @@ class PushScheduler:
             self.bytes_total += size
             if not self.backward_done:
                 self.bytes_during_backward += size
+            self.started_by_completion += self.flight.is_completion_thread()
         self.max_in_flight = max(self.max_in_flight, self.flight.in_flight)
 
     def flush(self) -> float:
         """After backward: send what is queued and wait for every push; returns the seconds it took."""
         self.backward_done = True
         t0 = time.perf_counter()
-        while self._heap:
-            self.flight.wait_until(max(0, self.credit - self._heap[0][2]))
+        while True:
+            with self._lock:  # the completion thread starts queued pushes too
+                if not self._heap:
+                    break
+                need = self._heap[0][2]
+            self.flight.wait_until(max(0, self.credit - need))
             self.pump()
         self.flight.wait_until(0)
         return time.perf_counter() - t0
@@ -131,7 +157,8 @@ class PushScheduler:
     def pop_metrics(self) -> dict[str, float]:
         """This step's overlap: the fraction of pushed bytes whose send began during backward."""
         frac = self.bytes_during_backward / self.bytes_total if self.bytes_total else 0.0
-        out = {"ps_push_overlap_frac": frac, "ps_push_max_in_flight_bytes": float(self.max_in_flight)}
-        self.bytes_during_backward = self.bytes_total = self.max_in_flight = 0
+        out = {"ps_push_overlap_frac": frac, "ps_push_max_in_flight_bytes": float(self.max_in_flight),
+               "ps_push_started_on_completion": float(self.started_by_completion)}
+        self.bytes_during_backward = self.bytes_total = self.max_in_flight = self.started_by_completion = 0
         self.backward_done = False
         return out

@@ -39,6 +39,7 @@ __all__ = [
     "load_checkpoint",
     "list_checkpoints",
     "latest_valid_checkpoint",
+    "set_aside",
 ]
 
 FORMAT_NAME = "shardwise.checkpoint"
@@ -46,6 +47,9 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STATE = "state.json"
 TMP_PREFIX = ".tmp-"
+CORRUPT_SUFFIX = ".corrupt"
+"""A checkpoint that failed verification is renamed ``step_<N>.corrupt`` and kept: never resumed from,
+overwritten by a later save of that step, or pruned (:func:`set_aside`)."""
 # Temporary directories of dead processes are removed only once they are this old, so that a
 # writer on another host sharing the file system (whose pid we cannot see) is left alone.
 STALE_TMP_AGE_S = 3600.0
@@ -119,8 +123,16 @@ def write_tensor_file(directory: Path, stem: str, flat: Mapping[str, torch.Tenso
     """Write ``flat`` as ``<stem>.safetensors`` into ``directory`` (fsynced); returns its manifest entry."""
     _check_save_args(0, {stem: flat}, 1)
     name = f"{stem}.safetensors"
-    save_file(_prepare_tensors(flat), str(Path(directory) / name), metadata={"format": "pt"})
-    return {name: _fsync_and_describe(Path(directory) / name)}
+    path = Path(directory) / name
+    try:
+        save_file(_prepare_tensors(flat), str(path), metadata={"format": "pt"})
+        return {name: _fsync_and_describe(path)}
+    except (OSError, SafetensorError) as e:  # a full disk: safetensors' message does not name the file
+        raise CheckpointError(f"cannot write {path}: {_reason(e)}") from e
+
+
+def _reason(e: BaseException) -> str:
+    return (getattr(e, "strerror", None) or str(e)).strip().splitlines()[0]
 
 
 def finish_checkpoint(root: Path, step: int, tmp: Path, files: Mapping[str, dict[str, Any]],
@@ -260,11 +272,14 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _write_text(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # a full disk: the write's error names no file
+        raise CheckpointError(f"cannot write {path}: {_reason(e)}") from e
 
 
 def _fsync_path(path: Path) -> None:
@@ -366,6 +381,11 @@ def verify_checkpoint(path: Path) -> None:
             )
 
 
+def listed_files(path: Path) -> set[str]:
+    """The file names a checkpoint's manifest lists (plain names inside the checkpoint directory, checked)."""
+    return set(_read_manifest(Path(path))["files"])
+
+
 def read_state(path: Path) -> dict[str, Any]:
     """``state.json`` of a checkpoint (already verified), as a dict."""
     path = Path(path)
@@ -413,17 +433,37 @@ def list_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_valid_checkpoint(root: Path, warn: Callable[[str], Any] = print) -> Path | None:
+def latest_valid_checkpoint(root: Path, warn: Callable[[str], Any] = print, keep_aside: bool = False) -> Path | None:
     """The newest checkpoint under ``root`` that verifies, or None.
 
     Each newer checkpoint that fails verification is reported through ``warn`` with one line
-    naming the checkpoint, the file and what is wrong, and skipped.
+    naming the checkpoint, the file and what is wrong, and skipped; with ``keep_aside`` it is also
+    renamed aside (:func:`set_aside`), so that a run going on from an older one cannot overwrite it.
     """
     for path in reversed(list_checkpoints(root)):
         try:
             verify_checkpoint(path)
         except CheckpointError as e:
-            warn(f"skipping invalid checkpoint: {e}")
+            why = str(e)
+            if keep_aside:
+                try:
+                    why += f"; kept as {set_aside(path).name}"
+                except OSError:
+                    pass  # another process of the run set it aside first
+            warn(f"skipping invalid checkpoint: {why}")
             continue
         return path
     return None
+
+
+def set_aside(path: Path) -> Path:
+    """Rename the checkpoint directory ``path`` to ``<name>.corrupt`` (``.corrupt-2``, ... if taken), out of
+    the names :func:`list_checkpoints` and pruning see; returns the new path. The evidence of a corruption is
+    kept, never overwritten by a later save of the same step or deleted."""
+    path = Path(path)
+    target, n = path.with_name(path.name + CORRUPT_SUFFIX), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{CORRUPT_SUFFIX}-{n}")
+    os.rename(path, target)
+    return target

@@ -50,7 +50,7 @@ from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import Pipeline, build_stage
 from shardwise.parallel.pipeline.checks import pipeline_partition
 from shardwise.parallel.pipeline.clip import tied_copies_elsewhere
-from shardwise.parallel.pipeline.partition import partition
+from shardwise.parallel.pipeline.partition import StageChunks, partition
 from shardwise.parallel.tensor import state as tp_state
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces
@@ -119,8 +119,9 @@ class Engine:
             parallelize(part, mesh, cfg, self.ledger)
             if self._cut_on_meta:  # tp / ep cut a meta part: now allocate only this rank's pieces
                 materialize_parameters(part, cfg.model, cfg.train.seed, device)
-        self.module = self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
-        """What the data-parallel wrapper holds: the one part, or this rank's interleaved chunks."""
+        self.module = self.parts[0] if len(self.parts) == 1 else StageChunks(self.parts)
+        """What the data-parallel wrapper holds: the one part, or this rank's interleaved chunks (under their
+        single-process names)."""
         # 3. data parallel (plain or ZeRO) over the gradient-reduction group, and the optimizer
         self.zero = p.zero > 0
         self.wrapper = self._wrap(run_dir)

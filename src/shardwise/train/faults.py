@@ -96,3 +96,38 @@ def _fire(kind: str) -> None:
         while True:
             time.sleep(3600)
     os.kill(os.getpid(), signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
+
+
+def resumed_after(fault: Fault, resumed: int, every: int) -> int:
+    """The step the attempt after ``fault`` resumes from, when the failed attempt resumed from ``resumed`` and
+    checkpoints are written every ``every`` steps: the newest checkpoint completed before the fault (``kill``,
+    ``stop``, ``hang`` and ``raise`` fire after step STEP is logged and before its checkpoint; ``save`` while
+    checkpoint STEP is written, so neither is complete)."""
+    return max(resumed, (fault.step - 1) // every * every)
+
+
+def draw_faults(rng, n: int, steps: int, every: int, world: int, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
+    """``n`` faults at random (``rng``: a ``random.Random``), one per attempt, each on a random rank and at a
+    random step that its attempt reaches (after the step the previous fault's attempt resumed from; ``save``
+    at a step that writes a checkpoint). Two faults in a row on the same rank that leave an error behind
+    (``stop``, ``hang``, ``raise``: the peers' or its own) are not drawn: the launcher takes a failure that
+    ended two attempts the same way for a bug and stops restarting (:mod:`shardwise.train.recovery`)."""
+    faults, resumed = [], 0
+    for _ in range(n):
+        while True:
+            kind, rank = rng.choice(kinds), rng.randrange(world)
+            saves = [s for s in range(resumed + 1, steps + 1) if s % every == 0 or s == steps]
+            step = rng.choice(saves) if kind == "save" else rng.randint(resumed + 1, steps)
+            prev = faults[-1] if faults else None
+            leaves_error = {kind, prev.kind if prev else "kill"} <= {"stop", "hang", "raise"}
+            if not (prev and leaves_error and prev.rank == rank):
+                break
+        fault = Fault(kind, step, rank)
+        faults.append(fault)
+        resumed = resumed_after(fault, resumed, every)
+    return faults
+
+
+def fault_text(faults: list[Fault]) -> str:
+    """``run.fault`` for ``faults`` (one per attempt)."""
+    return ",".join(f"{f.kind}@{f.step}:r{f.rank}" for f in faults)

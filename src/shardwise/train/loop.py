@@ -25,7 +25,7 @@ from shardwise.parallel.context import shard_windows
 from shardwise.parallel.expert.router_step import CollapseWatch
 from shardwise.train import memory as train_memory
 from shardwise.train import state as train_state
-from shardwise.train.checkpoint import latest_valid_checkpoint
+from shardwise.train.checkpoint import CheckpointError, latest_valid_checkpoint
 from shardwise.train.ckpt_writer import CheckpointWriter
 from shardwise.train.engine import Engine
 from shardwise.train.faults import FaultPlan
@@ -87,7 +87,10 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
 
         log.log_event(init_from_pretrained(engine, cfg))
     if resume_wanted(cfg.ckpt.resume):  # asked for, or the elastic agent restarted the group
-        found = latest_valid_checkpoint(ckpt_root, warn=log.log_event if rank == 0 else (lambda _m: None))
+        found = latest_valid_checkpoint(ckpt_root, warn=log.log_event if rank == 0 else (lambda _m: None),
+                                        keep_aside=rank == 0)  # a corrupt one is kept, never overwritten
+        if found is None and cfg.ckpt.resume:
+            raise CheckpointError(f"ckpt.resume=true but no checkpoint in {ckpt_root} verifies: nothing to resume")
         if found is not None:
             reader = train_state.open_checkpoint(found)
             start_step = train_state.restore(reader, engine, scaler, sampler, rank)

@@ -17,7 +17,10 @@ States streamed to disk (``offload = "disk"``) count the bytes of their files. Z
 secondary partitions live from a unit's forward to its backward: they count at the peak the
 partition measured while they were allocated. Transient buffers (a ZeRO-3 unit's gathered
 parameters, autocast copies, activations) are left out; the flat buffers ZeRO keeps between steps
-for reuse are reported apart as ``buffers`` (not part of ``total``). The trainer samples
+for reuse are reported apart as ``buffers`` (not part of ``total``). Inside a pipeline, what a ZeRO-2/3 step
+holds at its flush is reported apart too, measured from the storages then (``ZeroDataParallel.flush_bytes``):
+``gathered`` (ZeRO-3's units, gathered from their first forward to the flush) and ``grad_accum`` (the
+gradients accumulated unsharded over the micro-batches before the one reduce-scatter). The trainer samples
 after the optimizer step, before gradients are released. ``allocator_peak`` is added on CUDA.
 """
 
@@ -84,6 +87,8 @@ def model_state_bytes(engine, optimizer) -> dict[str, int]:
         out["params"] += engine.hpz.peak_bytes  # measured while the secondary partitions existed
         # kept between steps for reuse (flat gradients, exchange scratch): real, but not model state
         out["buffers"] = storage_bytes({"b": list(getattr(getattr(engine, "_grad_pool", None), "free", ()))})["b"]
+        # a pipeline step's flush: ZeRO-3's units held gathered and stages 2-3's unsharded gradients (not in total)
+        out.update(engine.flush_bytes)
         disk = engine.masters.disk
         if disk is not None:  # states streamed to files: their sizes on disk
             files = disk.file_bytes()

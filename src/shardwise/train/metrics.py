@@ -230,9 +230,10 @@ def read_metrics(run_dir: Path, raw: bool = False) -> list[dict[str, Any]]:
     """The records of ``<run_dir>/metrics.jsonl`` in order.
 
     Lines that do not parse (a last line cut short by a crash, or such a line that a resumed run
-    later terminated) are skipped. Unless ``raw``, records superseded by a resume are dropped:
-    when the step goes backwards, earlier records at or after the new step are discarded, and a
-    record repeating a metric already logged for the same step replaces that record.
+    later terminated) are skipped. Unless ``raw``, one record per step: records superseded by a resume are
+    dropped -- when the step goes backwards, earlier records at or after the new step are discarded, and a
+    step trained again replaces its record -- and the events the trainer logs beside a step (a restart, a
+    checkpoint's stall and write times) are merged into its record (the newer value of a repeated key wins).
 
     Raises FileNotFoundError (naming the path) if the file does not exist.
     """
@@ -263,12 +264,12 @@ def _timeline(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kept and step < kept[-1]["step"]:
             while kept and kept[-1]["step"] >= step:
                 kept.pop()
-        keys = record.keys() - {"step"}
-        i = len(kept)
-        while i > 0 and kept[i - 1]["step"] == step:
-            i -= 1
-            if keys & (kept[i].keys() - {"step"}):
-                del kept[i]
+        if kept and kept[-1]["step"] == step:
+            if "loss" in record and "loss" in kept[-1]:
+                kept[-1] = record  # the step trained again (a resume): the new record replaces it
+            else:
+                kept[-1] = {**kept[-1], **record}  # an event of the same step (the newer value wins)
+            continue
         kept.append(record)
     return kept
 

@@ -9,9 +9,10 @@ the data-parallel wrapper's gradients averaged over its group:
 * :class:`PipelineSchedule` (``parallel.pp > 1``): the pipeline schedule (GPipe, 1F1B, interleaved,
   ZB-H1; :class:`~shardwise.parallel.pipeline.Pipeline`) runs every micro-batch's forward and backward
   with gradients accumulating, then the wrapper reduces them once, after the flush (Narayanan et al.
-  2021 §3). The last stage's loss, plus the auxiliary router losses of earlier stages' mixture-of-experts
-  blocks, is summed along the pipeline; each step's timelines are gathered for the measured bubble (§2.2)
-  and ``timeline.json``.
+  2021 §3). Under ZeRO-2/3 the gradients accumulate unsharded and ZeRO-3 keeps a stage's parameters
+  gathered from its first forward to the flush (``ZeroDataParallel.pipeline_step``). The last stage's
+  loss, plus the auxiliary router losses of earlier stages' mixture-of-experts blocks, is summed along the
+  pipeline; each step's timelines are gathered for the measured bubble (§2.2) and ``timeline.json``.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class PipelineSchedule:
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
         self.pipe.loss_scale = scaler.scale if scaler else 1.0
-        with self.wrapper.no_sync():  # gradients accumulate over the schedule ...
+        with self.wrapper.pipeline_step():  # gradients accumulate over the schedule ...
             loss = self.pipe.step(x, y, dropout_key)
         self.wrapper.reduce_gradients()  # ... and are averaged once, after the flush
         self.timelines = gather_timelines(self.pipe.timeline, self.pp_group)

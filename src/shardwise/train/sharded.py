@@ -31,6 +31,7 @@ from shardwise.train.checkpoint import (
     abandon_checkpoint,
     begin_checkpoint,
     finish_checkpoint,
+    listed_files,
     write_tensor_file,
 )
 from shardwise.train.optim_state import optimizer_state_from_tensors
@@ -65,13 +66,17 @@ def save_sharded(root: Path, step: int, pieces: list[Piece], meta: dict[str, Any
         after_write()
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, written)
+    failure: list = [None]
     if rank == 0:
-        finish_pieces(root, step, tmp, everyone, meta, keep)
-    else:
-        errors = [e for _, _, e in everyone if e]
-        if errors:
-            raise CheckpointError(f"checkpoint step {step} was not written: {errors[0]}")
-    dist.barrier()
+        try:
+            finish_pieces(root, step, tmp, everyone, meta, keep)
+        except CheckpointError as e:
+            failure = [str(e)]
+        except Exception as e:  # noqa: BLE001 - every rank fails with it, at once
+            failure = [f"checkpoint step {step} was not written: rank 0: {type(e).__name__}: {e}"]
+    dist.broadcast_object_list(failure, src=0)  # complete (or not) on every rank from here: none waits for a
+    if failure[0] is not None:  # finish that failed
+        raise CheckpointError(failure[0])
 
 
 def write_pieces(tmp: Path, rank: int, pieces: list[Piece]) -> tuple[dict, list, str | None]:
@@ -118,6 +123,12 @@ class ShardedReader:
         self.path, self.meta = Path(path), meta
         self.index: dict[str, dict[str, Any]] = meta["shards"]
         self._open: dict[str, Any] = {}
+        listed = listed_files(self.path)  # plain names inside the directory, each with a size and SHA-256
+        for key, info in self.index.items():  # a file the manifest does not cover is never opened
+            for piece in info["pieces"]:
+                if piece[0] not in listed:
+                    raise CheckpointError(f"checkpoint {self.path}: state.json places {key!r} in file {piece[0]!r}, "
+                                          "which is not a file of the checkpoint listed in its manifest")
 
     def _file(self, name: str):
         if name not in self._open:

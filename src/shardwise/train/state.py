@@ -96,3 +96,40 @@ def restore_rng(reader, rank: int) -> None:
     torch.set_rng_state(rng[:n_cpu].clone())
     if torch.cuda.is_available() and rng.numel() > n_cpu:
         torch.cuda.set_rng_state(rng[n_cpu:].clone())
+
+
+def checkpoint_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of the model tensors a verified checkpoint holds, from its index (``state.json``) or,
+    for a whole-file checkpoint, the safetensors header: no tensor is read."""
+    meta = read_state(path)
+    if "shards" in meta:
+        return {k.removeprefix("model/"): tuple(v["shape"]) for k, v in meta["shards"].items()
+                if k.startswith("model/")}
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - no __iter__
+
+
+def resume_mismatch(path: Path, cfg) -> str | None:
+    """Why the checkpoint ``path`` cannot be resumed with the (resolved) config ``cfg``, in a few words naming
+    a tensor or a field, or None: the model of ``cfg`` (built on the meta device: no memory) must have the
+    checkpoint's tensors with their shapes, and fp16 needs the loss scaler's state."""
+    from shardwise.model import Transformer
+
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in Transformer(cfg.model).state_dict().items()}
+    have = checkpoint_model_shapes(path)
+    where = f"checkpoint {path}"
+    for name, shape in want.items():
+        if name not in have:
+            return f"{where} holds no tensor {name!r}, which model.preset={cfg.model.preset!r} has"
+        if have[name] != shape:
+            return (f"{where} holds {name!r} of shape {list(have[name])}, where model.preset="
+                    f"{cfg.model.preset!r} ({cfg.model.flavor}) has {list(shape)}")
+    extra = sorted(set(have) - set(want))
+    if extra:
+        return f"{where} holds {len(extra)} tensor(s) model.preset={cfg.model.preset!r} lacks (e.g. {extra[0]!r})"
+    if cfg.train.precision == "fp16" and read_state(path).get("scaler") is None:
+        return f"{where} was not trained with fp16 (no loss scaler state), but train.precision='fp16'"
+    return None

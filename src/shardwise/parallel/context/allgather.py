@@ -30,8 +30,10 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core,
         if pair is None:
             continue
         keep = None if drop is None else block_keep(core, drop, q.shape[0], t, src, pair, q.device)
-        out_b, lse_b = block_forward(q[:, :, pair.q], every[src, 0][:, :, pair.kv], every[src, 1][:, :, pair.kv],
-                                     scale, pair.causal, keep, 0.0 if drop is None else drop.p)
-        acc.add(pair.q, out_b, lse_b)
+        with core.timed(q):
+            out_b, lse_b = block_forward(q[:, :, pair.q], every[src, 0][:, :, pair.kv],
+                                         every[src, 1][:, :, pair.kv], scale, pair.causal, keep,
+                                         0.0 if drop is None else drop.p)
+            acc.add(pair.q, out_b, lse_b)
         core.count_work(pair, t)
     return acc.result()[0].to(q.dtype)

@@ -19,11 +19,19 @@ def check(cfg: Config) -> None:
                           "token, which one context-parallel rank holds, and its label is per sequence; use "
                           "parallel.cp=1")
     chunks = 2 * p.cp if p.cp_balance == "headtail" else p.cp
-    if cfg.data.seq_len % (chunks * (p.tp if p.sequence_parallel else 1)):
+    unit = chunks * (p.tp if p.sequence_parallel else 1)
+    s = cfg.data.seq_len
+    if s % unit:
         what = f"{chunks} chunks (parallel.cp={p.cp}, parallel.cp_balance={p.cp_balance!r})"
         if p.sequence_parallel:
             what += f" of a multiple of parallel.tp={p.tp} (sequence parallel)"
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} does not divide into {what}")
+        near = [v for v in (s // unit * unit, (s // unit + 1) * unit) if v > 0]
+        raise ConfigError(f"data.seq_len={s} does not divide into {what}; use a multiple of {unit}, e.g. "
+                          f"{' or '.join(map(str, near))}")
+    if p.cp_algorithm == "ring" and cfg.run.device == "cuda" and p.backend == "gloo":
+        raise ConfigError("parallel.cp_algorithm='ring' with run.device='cuda' and parallel.backend='gloo': the "
+                          "ring passes K/V blocks point to point, and gloo's point-to-point takes CPU tensors only; "
+                          "use parallel.backend='nccl' (or 'auto') or run.device='cpu'")
     if p.cp_algorithm == "ulysses":
         heads, kv = m.n_heads // p.tp, max(m.n_kv_heads // p.tp, 1)
         if heads % p.cp:

@@ -1,14 +1,21 @@
 """The attention core a context-parallel rank runs in place of :meth:`shardwise.model.layers.Attention.core`.
 
 :class:`ContextAttention` holds what every algorithm needs -- the cp group and this rank's neighbours,
-the sequence layout, the counting-layer stats of the ``cp`` axis -- and counts the attention work it does:
-score entries of the forward pass in units of ``c x c`` tiles, ``c`` the length of one head-tail chunk
-(``T / 2cp``), a causal (diagonal) tile counting half. With head-tail balance every rank does ``2 cp``
-tiles per layer and micro-batch; with a contiguous split rank ``r`` does ``4 r + 2``.
+the sequence layout, the counting-layer stats of the ``cp`` axis -- and keeps two records of the attention
+work of its forward passes:
+
+* **tiles**, counted: the score entries of the blocks it computed, in units of ``c x c`` tiles, ``c`` the
+  length of one head-tail chunk (``T / 2cp``), a causal (diagonal) tile counting half -- the arithmetic of
+  the blocks' shapes, what the layout promises. With head-tail balance every rank does ``2 cp`` tiles per
+  layer and micro-batch; with a contiguous split rank ``r`` does ``4 r + 2``;
+* **seconds**, measured: the clock around every block computation (``time.perf_counter`` on the CPU, CUDA
+  events on a GPU), what the rank really spent -- the same imbalance seen by a clock, noise included.
 """
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +50,10 @@ class ContextAttention:
     recomputes that layer in backward."""
     calls: int = 0
     """Forward calls with gradients since the last pop (one per layer and micro-batch, more when recomputed)."""
+    seconds: float = 0.0
+    """Measured time of the forward attention blocks since the last pop (CPU clock; CUDA: see ``_events``)."""
+    _events: list = field(default_factory=list, repr=False)
+    """CUDA: (start, end) event pairs of blocks whose time is read at the pop (no synchronisation before)."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -75,6 +86,28 @@ class ContextAttention:
 
     def count_work(self, pair: BlockPair, t: int) -> None:
         self.work += pair.work(t, t) / self._tile(t)
+
+    @contextmanager
+    def timed(self, like: torch.Tensor):
+        """Measure the time of the block computed inside (``like``: one of its tensors, for the device)."""
+        if like.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+            return
+        t0 = time.perf_counter()
+        yield
+        self.seconds += time.perf_counter() - t0
+
+    def pop_seconds(self) -> float:
+        """The measured block time since the last pop (CUDA events read here, after they complete)."""
+        for start, end in self._events:
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1000.0
+        out, self.seconds, self._events = self.seconds, 0.0, []
+        return out
 
     def count_whole(self, seq: int, fraction: float) -> None:
         """A ``seq x seq`` attention (causal: half of it) over ``fraction`` of the heads (Ulysses)."""
@@ -122,11 +155,16 @@ def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:
     """This step's attention work of the context-parallel cores in ``module``, counters reset; ``{}`` without
     context parallelism.
 
-    * ``cp_attn_tiles``: this rank's forward score tiles; ``cp_attn_tiles_max`` / ``_min`` over its cp group
-      and their ratio ``cp_attn_imbalance`` (gathered over the cp group: a collective that every cp rank
-      calls at the same point of the step; bookkeeping, not counted as the technique's traffic);
+    * ``cp_attn_tiles``: this rank's forward score tiles, counted from the blocks it computed;
+      ``cp_attn_tiles_max`` / ``_min`` over its cp group and their ratio ``cp_attn_tile_imbalance``;
+    * ``cp_attn_s``: this rank's forward attention time, measured around every block; ``cp_attn_s_max`` /
+      ``_min`` over its cp group and their ratio ``cp_attn_time_imbalance`` (a clock on a shared machine:
+      noisy where the tiles are exact);
     * ``cp_attn_act_bytes``: bytes the cores keep for backward per micro-batch, over all this rank's layers
-      (measured, see :attr:`ContextAttention.saved_bytes`)."""
+      (measured, see :attr:`ContextAttention.saved_bytes`).
+
+    The maxima and minima are gathered over the cp group: a collective that every cp rank calls at the
+    same point of the step; bookkeeping, not counted as the technique's traffic."""
     from shardwise.model.layers import Attention
 
     cores, layers = {}, {}
@@ -141,17 +179,23 @@ def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:
     if not cores:
         return {}
     total = sum(c.work for c in cores.values())
+    seconds = sum(c.pop_seconds() for c in cores.values())
     act = sum(c.saved_bytes / c.calls * layers[i] for i, c in cores.items() if c.calls)
     for c in cores.values():
         c.work, c.saved_bytes, c.calls = 0.0, 0, 0
     core = next(iter(cores.values()))
     device = next(module.parameters()).device
-    mine = torch.tensor([total], dtype=torch.float64, device=device)
-    gathered = torch.zeros(core.size, dtype=torch.float64, device=device)
+    mine = torch.tensor([total, seconds], dtype=torch.float64, device=device)
+    gathered = torch.zeros(core.size * 2, dtype=torch.float64, device=device)
     dist.all_gather_single(gathered, mine, group=core.group)
-    hi, lo = float(gathered.max()), float(gathered.min())
-    return {"cp_attn_tiles": float(total), "cp_attn_tiles_max": hi, "cp_attn_tiles_min": lo,
-            "cp_attn_imbalance": hi / lo if lo else float("inf"), "cp_attn_act_bytes": float(act)}
+    tiles, times = gathered.view(core.size, 2).unbind(1)
+    out = {"cp_attn_act_bytes": float(act)}
+    for name, mine_value, every in (("cp_attn_tiles", total, tiles), ("cp_attn_s", seconds, times)):
+        hi, lo = float(every.max()), float(every.min())
+        ratio = "cp_attn_tile_imbalance" if name == "cp_attn_tiles" else "cp_attn_time_imbalance"
+        out.update({name: float(mine_value), f"{name}_max": hi, f"{name}_min": lo,
+                    ratio: hi / lo if lo else float("inf")})
+    return out
 
 
 class ContextParallelLoss:

@@ -73,12 +73,13 @@ class RingAttentionFunction(torch.autograd.Function):
             pair = block_pair(r, src, t, core.layout.balance, core.causal)
             if pair is not None:
                 q_b, k_b, v_b = q[:, :, pair.q], kv[0][:, :, pair.kv], kv[1][:, :, pair.kv]
-                if drop is None:
-                    out_b, lse_b = attend(q_b, k_b, v_b, scale, pair.causal)
-                else:
-                    keep = block_keep(core, drop, q.shape[0], t, src, pair, q.device)
-                    out_b, lse_b = block_forward(q_b, k_b, v_b, scale, pair.causal, keep, drop.p)
-                acc.add(pair.q, out_b, lse_b)
+                with core.timed(q):
+                    if drop is None:
+                        out_b, lse_b = attend(q_b, k_b, v_b, scale, pair.causal)
+                    else:
+                        keep = block_keep(core, drop, q.shape[0], t, src, pair, q.device)
+                        out_b, lse_b = block_forward(q_b, k_b, v_b, scale, pair.causal, keep, drop.p)
+                    acc.add(pair.q, out_b, lse_b)
                 core.count_work(pair, t)
             if transfer is not None:
                 kv = transfer.wait()

@@ -100,11 +100,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, d
     kh, vh = kvh.chunk(2)
     positions = torch.cat([core.layout.positions(t, rank=j) for j in range(n)]).to(q.device)
     order = positions.argsort()  # gathered order -> true order
-    if drop is None:
-        y = F.scaled_dot_product_attention(qh[:, :, order], kh[:, :, order], vh[:, :, order], is_causal=core.causal,
-                                           enable_gqa=kh.shape[1] != qh.shape[1])
-    else:
-        keep = ulysses_keep(core, drop, q.shape[0], q.shape[1], t, q.device)
-        y = dropped_attention(qh[:, :, order], kh[:, :, order], vh[:, :, order], keep, drop.p, causal=core.causal)
+    with core.timed(qh):
+        if drop is None:
+            y = F.scaled_dot_product_attention(qh[:, :, order], kh[:, :, order], vh[:, :, order],
+                                               is_causal=core.causal, enable_gqa=kh.shape[1] != qh.shape[1])
+        else:
+            keep = ulysses_keep(core, drop, q.shape[0], q.shape[1], t, q.device)
+            y = dropped_attention(qh[:, :, order], kh[:, :, order], vh[:, :, order], keep, drop.p,
+                                  causal=core.causal)
     core.count_whole(n * t, fraction=1 / n)
     return _Reshard.apply(y[:, :, order.argsort()], core, False)

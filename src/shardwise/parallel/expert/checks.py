@@ -38,14 +38,16 @@ def check(cfg: Config) -> None:
                           f"use one of {divisors(m.n_experts)}")
     if p.dp % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}; use one of {divisors(p.dp)}")
+    if p.ep > 1 and cfg.comm.algorithm != "native" and cfg.run.device == "cuda" and p.backend == "gloo":
+        raise ConfigError(f"parallel.ep={p.ep} with run.device='cuda' and parallel.backend='gloo': our pairwise "
+                          f"all-to-all (comm.algorithm={cfg.comm.algorithm!r}) sends tokens point to point, and "
+                          "gloo's point-to-point takes CPU tensors only; use parallel.backend='nccl' (or 'auto') "
+                          "or run.device='cpu'")
     if m.n_experts and m.moe_capacity_factor and (p.sequence_parallel or p.cp > 1):
         raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} with "
                           f"{'parallel.sequence_parallel=true' if p.sequence_parallel else f'parallel.cp={p.cp}'}: a "
                           "capacity ranks each expert's slots over the whole sequence, which is spread over ranks; "
                           "use model.moe_capacity_factor=0 (dropless)")
-    if m.n_experts and m.flavor == "bert":
-        raise ConfigError(f"model.n_experts={m.n_experts} with model.flavor='bert': the experts are decoder "
-                          "MLPs (GPT-2 or Llama); use model.n_experts=0 or another flavour")
     if m.n_experts and cfg.ps.servers:
         raise ConfigError(f"model.n_experts={m.n_experts} with ps.servers={cfg.ps.servers}: the parameter "
                           "server's workers do not add the router losses (not composed yet); use ps.servers=0")

@@ -76,7 +76,7 @@ class ExpertParallel(Experts):
         nn.Module.__init__(self)
         self.group, self.stats, self.algorithm, self.timeout_s = group, stats, algorithm, timeout_s
         self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.n_experts, self.flavor = experts.n_local, experts.flavor
+        self.n_experts, self.flavor, self.gelu = experts.n_local, experts.flavor, experts.gelu
         self.kernel, self.capability, self.widths = experts.kernel, experts.capability, experts.widths
         if self.n_experts % self.ep:
             raise ValueError(f"parallel.ep={self.ep} does not divide model.n_experts={self.n_experts}")
@@ -96,9 +96,9 @@ class ExpertParallel(Experts):
                 local.bias = None
             setattr(self, name, local)
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
         ep, n_local = self.ep, self.n_local
-        sent = torch.tensor(counts, dtype=torch.int64, device=x.device)
+        sent = torch.as_tensor(counts, dtype=torch.int64, device=x.device).clone()
         got = torch.empty_like(sent)  # got[i * n_local + e]: tokens rank i sends to local expert e
         all_to_all(got, sent, self.group, self.algorithm, verify=False, timeout_s=self.timeout_s, stats=self.stats)
         got = got.view(ep, n_local).cpu()

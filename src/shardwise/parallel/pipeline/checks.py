@@ -93,17 +93,10 @@ def check(cfg: Config) -> None:
         if p.pp_virtual != 1:
             raise ConfigError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp > 1; use 1")
         return
-    if p.zero > 1:
-        raise ConfigError(f"parallel.zero={p.zero} with parallel.pp={p.pp}: a pipeline keeps every micro-batch's "
-                          "gradients until the flush, so only ZeRO-1 (sharded optimizer states) composes with it "
-                          "here; use parallel.zero=1 or 0")
-    if p.zero and (p.pp_virtual > 1 or p.pp_schedule == "zb-h1"):
-        raise ConfigError(f"parallel.zero=1 with parallel.pp_schedule={p.pp_schedule!r} and parallel.pp_virtual="
-                          f"{p.pp_virtual}: ZeRO-1 wraps one stage per rank, and zb-h1's deferred weight gradients "
-                          "bypass its hooks; use '1f1b' or 'gpipe' with parallel.pp_virtual=1")
-    if p.zero and (p.offload != "none" or p.zero_quant_grads):
-        raise ConfigError("parallel.zero=1 inside a pipeline runs without offload or int8 gradients for now; "
-                          "use parallel.offload='none' and parallel.zero_quant_grads=false")
+    if p.zero == 3 and p.zero_hpz > 1:
+        raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} with parallel.pp={p.pp}: a pipeline keeps each stage's "
+                          "ZeRO-3 parameters gathered from its first forward to the flush, so there is no backward "
+                          "gather for hpZ to keep inside a node; use parallel.zero_hpz=1")
     try:
         check_pipeline(cfg.model.n_layers, p.pp, p.pp_schedule, p.microbatches, t.micro_batch * p.microbatches,
                        p.pp_virtual)

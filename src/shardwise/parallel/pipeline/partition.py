@@ -16,6 +16,7 @@ copies' gradients (Shoeybi et al. 2019 "Megatron-LM" / Narayanan et al. 2021 §3
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import pairwise
 from typing import TYPE_CHECKING
@@ -202,6 +203,41 @@ class StageModule(nn.Module):
                 and self.n_stages > 1:
             return self.tok_emb.weight
         return None
+
+
+class StageChunks(nn.ModuleList):
+    """A pipeline rank's chunks (interleaved schedule: global stages ``c * p + rank``) as one model part.
+
+    To the schedule it is a list (``chunks[c]`` runs chunk ``c``); to whatever reads parameter or state-dict
+    names -- a data-parallel or ZeRO wrapper's units and checkpoints -- it has the single-process names each
+    chunk already registers (``blocks.5.attn.qkv.weight``, not ``1.blocks.5...``): chunks hold disjoint
+    blocks, and a table tied between the first and last stages never sits twice on one rank when p > 1."""
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        seen: set[int] = set()
+        for chunk in self:
+            for name, p in chunk.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate):
+                if not remove_duplicate or id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        out = OrderedDict() if destination is None else destination
+        for chunk in self:
+            chunk.state_dict(destination=out, prefix=prefix, keep_vars=keep_vars)
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        missing, unexpected = [], set(state_dict)
+        for chunk in self:
+            own = chunk.state_dict().keys()
+            result = chunk.load_state_dict({k: state_dict[k] for k in own if k in state_dict}, strict=False,
+                                           assign=assign)
+            missing += result.missing_keys
+            unexpected -= set(own)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"state dict does not match: missing {missing[:3]}, unexpected {sorted(unexpected)[:3]}")
+        return missing, sorted(unexpected)
 
 
 FIRST_STAGE_EXTRAS = ("pos_emb", "type_emb", "emb_norm", "drop")

@@ -80,9 +80,13 @@ class WeightGradStore:
         return sum(len(q) for q in self._queues.values())
 
 
+@torch.no_grad()
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """Add ``grad`` into ``param.grad`` as autograd's AccumulateGrad would: through the parameter's
-    ``register_hook`` hooks (autograd keeps a leaf's in ``_backward_hooks``), then the first write stores it."""
+    """Add ``grad`` into ``param.grad`` as autograd's AccumulateGrad would, outside autograd: through the
+    parameter's ``register_hook`` hooks first (autograd keeps a leaf's in ``_backward_hooks``: e.g. tensor
+    parallelism's sum over replicated key/value heads; ZeRO's hook, which already ran in ``B`` with no
+    gradient and made ``.grad`` a view of its flat buffer, is idempotent), then the first write stores it.
+    Outside autograd because that view was made without gradients."""
     for hook in (getattr(param, "_backward_hooks", None) or {}).values():
         out = hook(grad)
         grad = grad if out is None else out

@@ -67,9 +67,11 @@ def _peer(group, j: int) -> int:
     return j if group is None else dist.get_global_rank(group, j)
 
 
-def _send(t: torch.Tensor, dst: int, group, tag: int, on_send):
+def _send(t: torch.Tensor, dst: int, group, tag: int, on_send, on_send_to=None):
     if on_send is not None:
         on_send(t.numel() * t.element_size())
+    if on_send_to is not None:
+        on_send_to(t.numel() * t.element_size(), _peer(group, dst))
     return dist.isend(t, dst=_peer(group, dst), group=group, tag=tag)
 
 
@@ -130,10 +132,11 @@ def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGro
 
 
 def all_gather(full: torch.Tensor, group: dist.ProcessGroup | None, shard: torch.Tensor | None = None,
-               tag: int = 0, on_send: Callable[[int], None] | None = None) -> Pending:
+               tag: int = 0, on_send: Callable[[int], None] | None = None,
+               on_send_to: Callable[[int, int], None] | None = None) -> Pending:
     """Fill ``full`` (1-D, N blocks) with every rank's block. The own block is ``shard`` (copied
     into place first) or, with ``shard=None``, already in ``full`` (in place). ``on_send`` as in
-    :func:`reduce_scatter`."""
+    :func:`reduce_scatter`; ``on_send_to(nbytes, global destination rank)`` too, for every message."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = full.numel() // world
     mine = full[rank * n:(rank + 1) * n]
@@ -143,5 +146,5 @@ def all_gather(full: torch.Tensor, group: dist.ProcessGroup | None, shard: torch
     for k in range(1, world):
         dst, src = (rank + k) % world, (rank - k) % world
         works.append(dist.irecv(full[src * n:(src + 1) * n], src=_peer(group, src), group=group, tag=tag))
-        works.append(_send(mine, dst, group, tag, on_send))
+        works.append(_send(mine, dst, group, tag, on_send, on_send_to))
     return Pending(works)

@@ -11,10 +11,12 @@ elements per unit from its forward until its backward gather (the paper's "M/h" 
 The secondary copy holds exactly the values the forward gather produced (the dequantized values
 under int8 gathers, qwZ), so a run with hpZ computes bit for bit what it computes without.
 
-Traffic is reported as the bytes a rank *receives* in parameter gathers, split by whether the
-sender is on the same node: a gather of ``P`` bytes over the global group brings
-``P·(h-1)/N`` from the node and ``P·(N-h)/N`` from other nodes; over the node group,
-``P·(h-1)/h`` and nothing.
+Traffic is *measured where it is sent*: every message of a parameter gather that goes through our
+direct exchange (:mod:`.exchange`, gloo with CPU tensors) reports its bytes and its destination, and the
+bytes are added up by phase and by whether the destination is on this rank's node (ranks of the
+data-parallel group in consecutive runs of ``node_size``). Gathers the backend runs itself (NCCL's, and
+the int8 gathers of qwZ) move their bytes where no Python code sees them: they are reported apart, as
+``backend_gather_bytes`` (what they were handed), never split by a formula.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardwise.dist.mesh import default_group_timeout
+from shardwise.parallel.zero import exchange
 from shardwise.parallel.zero.flat import FlatUnit
 
-TRAFFIC_KEYS = ("forward_intra_node", "forward_inter_node", "backward_intra_node", "backward_inter_node")
+TRAFFIC_KEYS = ("forward_intra_node", "forward_inter_node", "backward_intra_node", "backward_inter_node",
+                "backend_gather_bytes")
 
 
 def node_groups(group: dist.ProcessGroup | None, node_size: int) -> dist.ProcessGroup:
@@ -43,7 +48,7 @@ def node_groups(group: dist.ProcessGroup | None, node_size: int) -> dist.Process
     mine = None
     for first in range(0, world, node_size):
         ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(first, first + node_size)]
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=default_group_timeout())  # bounded as parallel.timeout_s
         if dist.get_rank(group) // node_size == first // node_size:
             mine = g
     return mine
@@ -57,19 +62,38 @@ class NodePartition:
             the traffic split is reported, against nodes of ``report_node_size`` ranks).
         node_size: ranks per node subgroup, ``h``.
         world: the data-parallel size N.
+        group_ranks: the global ranks of the data-parallel group, in order (default: the world's), whose
+            consecutive runs of ``node_size`` are the nodes.
     """
 
-    def __init__(self, node_group: dist.ProcessGroup | None, node_size: int, world: int):
+    def __init__(self, node_group: dist.ProcessGroup | None, node_size: int, world: int,
+                 group_ranks: list[int] | None = None):
         self.group = node_group
         self.size = node_size
         self.world = world
         self.local_rank = dist.get_rank(node_group) if node_group is not None else 0
+        ranks = list(range(world)) if group_ranks is None else group_ranks
+        self._node_of = {g: i // node_size for i, g in enumerate(ranks)}
+        self._my_node = self._node_of.get(dist.get_rank(), -1)
         self.traffic = dict.fromkeys(TRAFFIC_KEYS, 0)
-        """Bytes received by this rank in parameter gathers since the last ``pop_traffic``."""
+        """Bytes this rank sent in parameter gathers since the last ``pop_traffic`` (measured at each
+        send), and the bytes handed to gathers the backend runs (not visible)."""
         self.held_bytes = 0
         """Bytes of the secondary partitions' storages alive now."""
         self.peak_bytes = 0
         """The most ``held_bytes`` has been (measured at each allocation)."""
+
+    def counter(self, phase: str):
+        """``on_send_to`` for :func:`.exchange.all_gather`: adds each message to ``phase``'s traffic, intra- or
+        inter-node by its destination."""
+        def sent(nbytes: int, dst: int) -> None:
+            where = "intra" if self._node_of.get(dst, -2) == self._my_node else "inter"
+            self.traffic[f"{phase}_{where}_node"] += nbytes
+        return sent
+
+    def unmeasured(self, nbytes: int) -> None:
+        """A gather run by the backend: its wire bytes are not visible, only what it was handed."""
+        self.traffic["backend_gather_bytes"] += nbytes
 
     @property
     def enabled(self) -> bool:
@@ -86,19 +110,14 @@ class NodePartition:
         self.held_bytes += unit.secondary.untyped_storage().nbytes()
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
-    def gather(self, unit: FlatUnit) -> dist.Work:
-        """Launch the intra-node all-gather of the secondary partitions into ``unit.full``."""
-        self.count(unit, phase="backward", within_node=True)
+    def gather(self, unit: FlatUnit, direct: bool, on_send=None):
+        """Launch the intra-node all-gather of the secondary partitions into ``unit.full``: our direct exchange
+        (``direct``: gloo, CPU tensors; every message counted, ``on_send`` too) or the backend's."""
+        if direct:
+            return exchange.all_gather(unit.full, self.group, unit.secondary, tag=exchange.TAG + 2 * unit.index + 1,
+                                       on_send=on_send, on_send_to=self.counter("backward"))
+        self.unmeasured(unit.param_bytes_full())
         return dist.all_gather_single(unit.full, unit.secondary, group=self.group, async_op=True)
-
-    def count(self, unit: FlatUnit, phase: str, within_node: bool, nbytes: int | None = None) -> None:
-        """Add one gather of ``unit`` (``nbytes`` on the wire, default the full buffer) to the traffic."""
-        total = unit.param_bytes_full() if nbytes is None else nbytes
-        if within_node:
-            self.traffic[f"{phase}_intra_node"] += total * (self.size - 1) // self.size
-            return
-        self.traffic[f"{phase}_intra_node"] += total * (self.size - 1) // self.world
-        self.traffic[f"{phase}_inter_node"] += total * (self.world - self.size) // self.world
 
     def drop(self, unit: FlatUnit) -> None:
         secondary = getattr(unit, "secondary", None)

@@ -39,15 +39,17 @@ class GradReduction:
             u.ready = False
 
     def _start_backward(self) -> None:
-        if not self._in_backward:
+        if not self._in_backward and not self._hold:  # a pipeline step reduces once, after its flush
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        self._had_grad[self._flag_index[id(param)]] = 1
+        if self._hold:  # a pipeline step: only the flag; everything is reduced after the flush
+            return
         self._start_backward()
         self._drain(keep=0, only_completed=True)  # release finished staging buffers early
-        self._had_grad[self._flag_index[id(param)]] = 1
         unit = self._unit_of[id(param)]
         unit.pending -= 1
         if unit.pending == 0:
@@ -77,7 +79,7 @@ class GradReduction:
         earlier micro-batches, else zeros), so the gradient is added straight into the buffer that is
         reduce-scattered -- no gradient tensor of its own, no copy into a staging buffer (as DDP's
         ``gradient_as_bucket_view``, Li et al. 2020 §3.2.3, for a buffer that lives one backward)."""
-        if not self._sync:  # inside no_sync: gradients accumulate in the parameters' own .grad
+        if not self._sync and not self._hold:  # inside no_sync: gradients accumulate in the parameters' own .grad
             return
         p = self._params[index]
         unit, i = self._unit_of[id(p)], self._position[id(p)]
@@ -99,7 +101,8 @@ class GradReduction:
         self._launch(unit, unit.take_flat_grad(self.world, self._alloc(unit)))
 
     def _alloc(self, unit: FlatUnit):
-        return lambda numel: self._grad_pool.take(numel, unit.dtype, unit.full.device)
+        # a pipeline step holds every unit's flat gradient at once: a kept buffer only of the very size
+        return lambda numel: self._grad_pool.take(numel, unit.dtype, unit.full.device, exact=self._hold)
 
     def _launch(self, unit: FlatUnit, flat: torch.Tensor) -> None:
         """Reduce-scatter ``flat`` (a unit's divided gradients). Stage 1 reduces in place: the
@@ -145,16 +148,6 @@ class GradReduction:
                     self.hpz.drop(u)
         finally:
             self._reset()
-
-    @torch.no_grad()
-    def reduce_gradients(self) -> None:
-        """Reduce every unit's accumulated gradients now and hand the masters their slices: for a caller
-        whose backward passes all ran under ``no_sync`` -- a pipeline schedule, whose micro-batches'
-        backward passes interleave with other stages' work, so no single pass is "the last" (Narayanan
-        et al. 2021 §3: the data-parallel reduction follows the pipeline flush)."""
-        self._reset()
-        self._reduce_rest()
-        self._reset()
 
     def _reduce_rest(self) -> None:
         """Reduce the units not reduced yet, wait for every reduction, hand each master its slice."""
@@ -226,9 +219,11 @@ class BufferPool:
         self.keep = keep
         self.free: list[torch.Tensor] = []
 
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``numel`` uninitialised elements: the smallest kept buffer that fits, else a new one."""
-        fits = [i for i, b in enumerate(self.free) if b.dtype == dtype and b.device == device and b.numel() >= numel]
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device, exact: bool = False) -> torch.Tensor:
+        """``numel`` uninitialised elements: the smallest kept buffer that fits (with ``exact``, only one of
+        ``numel`` elements, so that nothing is held beyond it), else a new one."""
+        fits = [i for i, b in enumerate(self.free) if b.dtype == dtype and b.device == device and
+                (b.numel() == numel if exact else b.numel() >= numel)]
         if not fits:
             return torch.empty(numel, dtype=dtype, device=device)
         buf = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))

@@ -34,6 +34,9 @@ and nothing is communicated (like torch DDP's ``no_sync`` and FSDP2's
 accumulation exactly equal to the unsharded run, at the cost of holding full gradients
 between micro-batches.
 
+Inside a pipeline gradients accumulate unsharded and ZeRO-3 units stay gathered until the flush
+(:mod:`.pipeline`).
+
 Mixed precision: the trainer keeps fp32 parameters and lets ``torch.autocast`` make the
 low-precision compute copies, so by default the flat parameter buffers are fp32 and the master
 weights are *views* of the rank's slice of them (no second copy). With ``param_dtype`` (e.g.
@@ -78,6 +81,7 @@ from shardwise.parallel.zero.flat import FlatUnit
 from shardwise.parallel.zero.hpz import NodePartition, node_groups
 from shardwise.parallel.zero.meta import check_ranks_agree, structure_hash
 from shardwise.parallel.zero.offload import MasterStore
+from shardwise.parallel.zero.pipeline import PipelineFlush
 from shardwise.parallel.zero.reduce import BufferPool, GradReduction
 from shardwise.parallel.zero.stage3 import Stage3Hooks
 
@@ -96,7 +100,19 @@ def _weak(engine: ZeroDataParallel, method: str, *bound) -> Callable:
     return call
 
 
-class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
+def _blocks_of(chunk: nn.Module) -> list[nn.Module]:
+    """A model's (``ModuleList``) or a pipeline stage's (``ModuleDict`` by layer id) transformer blocks."""
+    blocks = chunk.blocks
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+
+
+def block_units(blocks: list, unit_blocks: int) -> list[list]:
+    """ZeRO-3's units of a model's blocks: runs of ``unit_blocks`` consecutive blocks, in order (the root unit
+    holds every parameter outside them). Also what the simulator gathers (:mod:`shardwise.sim`)."""
+    return [blocks[i:i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
+
+
+class ZeroDataParallel(GradReduction, Stage3Hooks, PipelineFlush, nn.Module):
     """Shard ``module``'s training state over ``group`` with ZeRO stage ``stage`` (1, 2 or 3).
 
     Use with :class:`shardwise.parallel.zero.ZeroOptimizer`, which steps the rank's master
@@ -158,6 +174,13 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         self.group = group
         self.expert_group = expert_group
         self.stage = stage
+        self.chunks = list(module) if isinstance(module, nn.ModuleList) else [module]
+        """The modules a caller runs: the model, or a pipeline rank's chunks (an ``nn.ModuleList``)."""
+        self._hold = False
+        """Inside :meth:`pipeline_step`: gradients accumulate unsharded, ZeRO-3 units stay gathered."""
+        self.flush_bytes: dict[str, int] = {}
+        """Measured at the last pipeline flush (:meth:`reduce_gradients`), from storages: ``gathered`` (ZeRO-3's
+        units held gathered) and ``grad_accum`` (stages 2-3's gradients accumulated unsharded)."""
         self.quant_weights, self.quant_grads = quant_weights, quant_grads
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -168,7 +191,8 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         report = node_size or hpz_size
         if self.world % report:
             raise ValueError(f"node_size={report} must divide the data-parallel size {self.world}")
-        self.hpz = NodePartition(hpz_group if hpz_size > 1 else None, report, self.world)
+        self.hpz = NodePartition(hpz_group if hpz_size > 1 else None, report, self.world,
+                                 dist.get_process_group_ranks(group) if group is not None else None)
         self._sync = True
         src = dist.get_global_rank(group, broadcast_from) if group is not None else broadcast_from
         named: list[tuple[str, nn.Parameter]] = []
@@ -211,7 +235,8 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             if stage == 1:  # gradients accumulate straight into the flat buffer (no second copy)
                 for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
                     p.grad = u.grad_full[off:off + n].view(p.shape)
-        self.masters = MasterStore(self.units, offload, offload_dir, self.rank)
+        # files named by the global rank: other stages' and tensor-parallel ranks share a data-parallel rank
+        self.masters = MasterStore(self.units, offload, offload_dir, dist.get_rank())
         self._grad_pool = BufferPool(keep={1: 1, 2: 2, 3: 0}[stage])
         """Flat gradients and exchange scratch kept for reuse (stage 1: a scratch; 2: two units; 3: none, so
         that memory follows the units as in FSDP)."""
@@ -221,13 +246,18 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         if stage > 1:  # gradients are accumulated straight into each unit's flat buffer
             self._hooks += [p.register_hook(_weak(self, "_into_flat_grad", i)) for i, p in enumerate(self._params)]
         if stage == 3:
-            self._hooks.append(module.register_forward_pre_hook(_weak(self, "_root_pre_forward")))
-            self._hooks.append(module.register_forward_hook(_weak(self, "_root_post_forward")))
-            for u, (first, last) in zip(self.units[1:], self._stage3_modules, strict=True):
+            for u, (first, last) in zip(self.block_units, self._stage3_modules, strict=True):
                 self._hooks.append(first.register_forward_pre_hook(_weak(self, "_unit_pre_forward_hook")))
                 self._hooks.append(last.register_forward_hook(_weak(self, "_unit_post_forward_hook")))
                 self._module_unit[(id(first), "pre")] = u
                 self._module_unit[(id(last), "post")] = u
+            for chunk in self.chunks:  # the root is gathered as each chunk starts; its first unit is prefetched
+                inside = {id(m) for m in chunk.modules()}
+                firsts = [u for u, (first, _) in zip(self.block_units, self._stage3_modules, strict=True)
+                          if id(first) in inside]
+                self._chunk_first_unit[id(chunk)] = firsts[0] if firsts else None
+                self._hooks.append(chunk.register_forward_pre_hook(_weak(self, "_root_pre_forward")))
+                self._hooks.append(chunk.register_forward_hook(_weak(self, "_root_post_forward")))
         self._had_grad = bytearray(sum(len(u.params) for u in self.units))
         """Per parameter (units in order): did it receive a gradient this step on this rank."""
         self.direct_exchange = self.world > 1 and exchange.use_exchange(group, self.units[0].shard)
@@ -262,13 +292,14 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             # torch DDP's front-to-back cut (last_bytes=cap): the units the planner predicts (plan/zero_layout.py)
             buckets = _assign_buckets([p for _, p in named], cap, kind=self._is_expert, last_bytes=cap)
             return [[ids[id(p)] for p in b] for b in buckets]
-        if unit_modules is None:
-            blocks = list(self.module.blocks)
-            unit_modules = [blocks[i:i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
+        if unit_modules is None:  # a unit never spans two chunks: they run at different times
+            unit_modules = [unit for blocks in map(_blocks_of, self.chunks)
+                            for unit in block_units(blocks, unit_blocks)]
         if self.expert_group is not None:  # each group's expert modules follow it as a unit of their own
             unit_modules = [u for mods in unit_modules for u in [mods, *self._expert_modules(mods)]]
         self._stage3_modules: list[tuple[nn.Module, nn.Module]] = []
         self._module_unit: dict[tuple[int, str], FlatUnit] = {}
+        self._chunk_first_unit: dict[int, FlatUnit | None] = {}
         owner = {id(p): n for n, p in named}
         taken: set[int] = set()
         groups = []
@@ -281,7 +312,8 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
             groups.append(g)
             self._stage3_modules.append((mods[0], mods[-1]))
         root = [(n, p) for n, p in named if id(p) not in taken]
-        return [root] + groups
+        self._has_root = bool(root)  # a middle pipeline stage holds blocks only
+        return [root] + groups if root else groups
 
     def _expert_modules(self, mods) -> list[nn.Module]:
         """The outermost modules inside ``mods`` holding only expert shards (one per MoE block)."""
@@ -368,8 +400,9 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, nn.Module):
         return missing, unexpected
 
     def pop_gather_traffic(self) -> dict[str, int]:
-        """Bytes this rank received in parameter gathers since the last call, by phase and by
-        whether they came from its node (``node_size`` ranks) or crossed a node boundary."""
+        """Bytes this rank sent in parameter gathers since the last call, by phase and by whether they
+        went to its node (``node_size`` ranks) or crossed a node boundary, counted at every send; and
+        ``backend_gather_bytes``, handed to gathers the backend runs (:mod:`.hpz`)."""
         return self.hpz.pop_traffic()
 
     def model_state_bytes(self) -> dict[str, int]:

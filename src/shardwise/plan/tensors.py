@@ -1,0 +1,130 @@
+"""The trainable tensors of a model, from its shape alone: name, size, block and tensor-parallel split.
+
+The planner needs more than a parameter count where the trainer's bytes depend on *tensors*: ZeRO's flat
+units pad per unit, data parallelism's buckets close at tensor boundaries and carry one flag per tensor,
+tensor parallelism leaves some tensors whole. It derives them here from the shape (:class:`ModelSpec`)
+and the architectures' papers, never from the trainer's model code, so that ``plan --compare`` holds two
+independent descriptions against each other:
+
+* **GPT-2** (Radford et al. 2019 §2.3, GPT's decoder with pre-norm): token and learned position tables;
+  per block a LayerNorm (gain, bias), the q, k, v and output projections (h x h, with biases), a second
+  LayerNorm, the MLP h -> d_ff -> h (with biases); a final LayerNorm; the output head tied to the token
+  table (Press & Wolf 2017), so it adds no tensor.
+* **Llama** (Touvron et al. 2023 §2.2): RMSNorm gains only, projections without biases, grouped-query
+  key/value projections of n_kv_heads heads (Ainslie et al. 2023), SwiGLU's gate, up and down (Shazeer
+  2020), an untied head.
+* **Mixture of experts** (Fedus et al. 2022, "Switch Transformers" §2; GShard's every-other-layer placement
+  for ``moe_every`` 2): the MoE block's MLP is a bias-free router (E x h) and E experts of the flavour's
+  MLP, each tensor stacked over the experts; ``moe_shared`` shared experts (DeepSeekMoE, Dai et al. 2024)
+  one MLP of ``moe_shared * d_ff``.
+* The **BERT** flavour is planned as GPT-2 (its token-type table, embedding norm, MLM transform and output
+  bias are left out, a documented gap); ``tests/test_plan_model.py`` lists the difference.
+
+Order: the order a module registers them, which DDP's buckets follow (Li et al. 2020, "PyTorch
+Distributed", §3.2.3: buckets in reverse registration order): embeddings, blocks in order (norm, q, k, v,
+output, norm, MLP: router, experts, shared), final norm, head; a weight before its bias. Names are the
+checkpoint's single-process names (the layout-free checkpoint format, a public interface).
+
+Tensor-parallel split (Megatron-LM, Shoeybi et al. 2019 §3): q / k / v and the MLP's first layer(s)
+column-parallel ("column"; k / v "column_kv": replicated on tp / n_kv_heads ranks where tp > n_kv_heads),
+the output projection and the MLP's last layer row-parallel ("row": the weight split, the bias whole),
+token table and head over the vocabulary ("vocab"); norms, the position table, routers and experts whole
+("whole": MoE blocks are not tensor-parallel here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.plan.spec import ModelSpec
+
+SPLITS = ("vocab", "column", "column_kv", "row", "whole")
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One trainable tensor of the model, in registration order."""
+
+    name: str
+    numel: int
+    block: int | None
+    """Index of the transformer block it belongs to (None: embeddings, final norm, head)."""
+    split: str = "whole"
+    """How tensor parallelism splits it (:data:`SPLITS`)."""
+
+
+def _gelu_style(m: ModelSpec) -> bool:
+    return m.flavor in ("gpt2", "bert")
+
+
+def is_moe_block(m: ModelSpec, block: int) -> bool:
+    """Every ``moe_every``-th block is MoE, the last of each run (GShard: blocks 1, 3, 5, ... for 2)."""
+    return m.n_experts > 0 and block % m.moe_every == m.moe_every - 1
+
+
+def _linear(prefix: str, out: int, inp: int, bias: bool, block: int | None, split: str,
+            stack: int = 1) -> list[ParamEntry]:
+    """A linear layer's weight (out x inp) and bias, ``stack`` copies stacked (experts)."""
+    weight = ParamEntry(f"{prefix}.weight", stack * out * inp, block, split)
+    if not bias:
+        return [weight]
+    return [weight, ParamEntry(f"{prefix}.bias", stack * out, block, "whole" if split == "row" else split)]
+
+
+def _mlp(prefix: str, m: ModelSpec, width: int, block: int, split: bool, stack: int = 1) -> list[ParamEntry]:
+    """The flavour's MLP h -> width -> h: GELU's two layers with biases, or SwiGLU's three without."""
+    col, row = ("column", "row") if split else ("whole", "whole")
+    h, bias = m.d_model, _gelu_style(m)
+    if bias:
+        return [*_linear(f"{prefix}.fc_in", width, h, True, block, col, stack),
+                *_linear(f"{prefix}.fc_out", h, width, True, block, row, stack)]
+    return [*_linear(f"{prefix}.gate_proj", width, h, False, block, col, stack),
+            *_linear(f"{prefix}.up_proj", width, h, False, block, col, stack),
+            *_linear(f"{prefix}.down_proj", h, width, False, block, row, stack)]
+
+
+def _norm(prefix: str, m: ModelSpec, block: int | None) -> list[ParamEntry]:
+    """LayerNorm's gain and bias, or RMSNorm's gain."""
+    out = [ParamEntry(f"{prefix}.weight", m.d_model, block)]
+    return [*out, ParamEntry(f"{prefix}.bias", m.d_model, block)] if _gelu_style(m) else out
+
+
+def model_params(m: ModelSpec) -> list[ParamEntry]:
+    """The trainable tensors of the model of shape ``m``, in registration order (a tied head once, as the
+    token table)."""
+    h, kv, bias = m.d_model, m.kv_dim, _gelu_style(m)
+    out = [ParamEntry("tok_emb.weight", m.vocab_size * h, None, "vocab")]
+    if bias:  # learned positions (GPT-2, BERT); Llama's rotary positions have no parameters
+        out.append(ParamEntry("pos_emb.weight", m.max_seq_len * h, None))
+    for b in range(m.n_layers):
+        p = f"blocks.{b}"
+        out += _norm(f"{p}.norm1", m, b)
+        out += _linear(f"{p}.attn.q_proj", h, h, bias, b, "column")
+        out += _linear(f"{p}.attn.k_proj", kv, h, bias, b, "column_kv")
+        out += _linear(f"{p}.attn.v_proj", kv, h, bias, b, "column_kv")
+        out += _linear(f"{p}.attn.o_proj", h, h, bias, b, "row")
+        out += _norm(f"{p}.norm2", m, b)
+        if is_moe_block(m, b):
+            out.append(ParamEntry(f"{p}.mlp.router.weight", m.n_experts * h, b))
+            out += _mlp(f"{p}.mlp.experts", m, m.d_ff, b, split=False, stack=m.n_experts)
+            if m.moe_shared:
+                out += _mlp(f"{p}.mlp.shared", m, m.moe_shared * m.d_ff, b, split=False)
+        else:
+            out += _mlp(f"{p}.mlp", m, m.d_ff, b, split=True)
+    out += _norm("norm_f", m, None)
+    if not m.tie_embeddings:
+        out.append(ParamEntry("lm_head.weight", m.vocab_size * h, None, "vocab"))
+    return out
+
+
+def even_stage_blocks(n_layers: int, stages: int) -> list[range]:
+    """The blocks of each of ``stages`` pipeline stages split evenly (GPipe, Huang et al. 2019 §2.1: K
+    contiguous cells), the first ``n_layers % stages`` one block longer. What the planner assumes for
+    every ``parallel.pp_partition``: a partition balanced by parameters or FLOPs can differ from it."""
+    base, extra = divmod(n_layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        n = base + (s < extra)
+        out.append(range(start, start + n))
+        start += n
+    return out

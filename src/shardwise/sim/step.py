@@ -1,0 +1,375 @@
+"""One training step of every pipeline rank as tasks: the engine's schedule, buckets and units.
+
+Ranks that behave alike are simulated once: the tensor-, context- and data-parallel peers of a pipeline
+rank do the same work at the same time, so one representative per pipeline rank is simulated (global rank
+``pp_rank * dp * cp * tp``, :class:`~shardwise.dist.mesh.ParallelDims`), and each of its collectives is
+costed with every group of that axis in its pipeline stage communicating at once, on the whole fabric
+(:mod:`shardwise.sim.network`).
+
+What is taken from the engine rather than described again:
+
+* the pipeline's action lists, every schedule (:func:`shardwise.parallel.pipeline.schedules.build_schedule`),
+  and the blocks of every stage (:func:`shardwise.parallel.pipeline.partition.partition`, the trainer's
+  ``parallel.pp_partition``); sends after each computation, each receive a dependency of the computation
+  that needs it (:class:`~shardwise.parallel.pipeline.executor.Pipeline`); activations travel in fp32;
+* the buckets and ZeRO units (:mod:`shardwise.sim.params`): without a pipeline a bucket's all-reduce (ZeRO-1/2:
+  reduce-scatter) starts when the last micro-batch's backward has produced all its gradients, in bucket
+  order (Li et al. 2020 §3.2.3), and earlier micro-batches accumulate without communication (``no_sync``);
+  with a pipeline every bucket is reduced after the flush (Narayanan et al. 2021 §3); ZeRO-3 gathers each
+  unit before its forward and again before its backward, the next unit's gather in flight during the current
+  unit's compute (prefetch), the root unit once per micro-batch, and reduce-scatters each unit once its last
+  backward is done (Rajbhandari et al. 2020 §5.3; Zhao et al. 2023 §3.3). On gloo ZeRO-2/3 wait for each
+  reduce-scatter at once (``overlap_reduce``), on NCCL they overlap the backward;
+* the step around them (:mod:`shardwise.train.loop`): ZeRO's "had a gradient" flags, the global gradient
+  norm's all-reduces (tp, the shard group, pp), the optimizer, ZeRO-1/2's gathers of the updated weights,
+  the pipeline's loss all-reduce and timeline gather, the loop's loss all-reduce.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shardwise.config import Config
+from shardwise.dist.mesh import ParallelDims
+from shardwise.parallel.pipeline.checks import pipeline_partition
+from shardwise.parallel.pipeline.partition import partition
+from shardwise.parallel.pipeline.schedules import RECV_F, SEND_B, SEND_F, B, F, W, build_schedule
+from shardwise.sim.costs import RankCosts
+from shardwise.sim.layers import LayerComm
+from shardwise.sim.network import Fabric
+from shardwise.sim.params import EMBED, HEAD, RankParams, meta_model, rank_params
+from shardwise.sim.tasks import COMPUTE, Graph, Task
+
+AXIS_OF = {"dp_cp": "dp", "edp": "dp"}
+"""Gradient reductions over dp x cp and over the expert replicas are shown as the data-parallel axis."""
+ACT_BYTES = 4
+"""The executor sends activations and their gradients in fp32 (``Pipeline(act_dtype=torch.float32)``)."""
+
+
+class StepBuilder:
+    """The task graph of one step of a resolved config on a fabric."""
+
+    def __init__(self, cfg: Config, fabric: Fabric, costs: RankCosts, moe_imbalance: float = 1.0):
+        p = cfg.parallel
+        self.cfg, self.fabric, self.costs = cfg, fabric, costs
+        self.dims = ParallelDims(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep)
+        self.pp, self.v = p.pp, p.pp_virtual if p.pp > 1 else 1
+        self.m = cfg.train.grad_accum
+        self.per_stage = p.dp * p.cp * p.tp
+        if p.pp > 1:
+            method, boundaries = pipeline_partition(p.pp_partition)
+            self.split = partition(cfg.model, p.pp * self.v, method, boundaries, seq_len=cfg.data.seq_len)
+        else:
+            self.split = [range(cfg.model.n_layers)]
+        model = meta_model(cfg)
+        self.params: list[RankParams] = [rank_params(cfg, model, self.stages(r), self.split) for r in range(self.pp)]
+        self.layers = LayerComm(cfg, costs, self._comm_on(0), moe_imbalance)
+        self.graph = Graph(self.pp)
+        self._comm_cache: dict[tuple, float] = {}
+        self._copies: dict[int, list[Task]] = {}
+        """ZeRO-Offload's gradient copies to the host, per rank: the host's optimizer step waits for them."""
+        self._groups: dict[str, list[list[int]]] = {}
+        self.algorithms: dict[str, str] = {}
+        """Which algorithm each (axis, collective) was costed with (the cheaper of ring and two-level)."""
+
+    def stages(self, r: int) -> list[int]:
+        return [c * self.pp + r for c in range(self.v)]
+
+    # ---- communication on the representative's groups ------------------------------------------------------
+
+    def groups(self, axis: str, r: int) -> list[list[int]]:
+        """Every group of ``axis`` among the ranks of pipeline rank ``r`` (they all communicate at once);
+        ``hpz``: ZeRO++'s node subgroups, runs of ``parallel.zero_hpz`` consecutive ranks of each dp x cp group."""
+        if axis == "hpz":
+            h = self.cfg.parallel.zero_hpz
+            return [g[i:i + h] for g in self.groups("dp_cp", r) for i in range(0, len(g), h)]
+        if axis not in self._groups:
+            self._groups[axis] = self.dims.groups(axis)
+        lo, hi = r * self.per_stage, (r + 1) * self.per_stage
+        return [g for g in self._groups[axis] if lo <= g[0] < hi]
+
+    def comm(self, axis: str, collective: str, nbytes: float, r: int = 0) -> float:
+        key = (axis, collective, nbytes, r)
+        if key not in self._comm_cache:
+            groups = self.groups(axis, r)
+            algorithm = None
+            if collective == "send-ring":  # every rank to the next of its group, at once
+                pairs = np.array(groups)
+                groups = np.stack([pairs.ravel(), np.roll(pairs, -1, axis=1).ravel()], axis=1).tolist()
+                collective = "send"
+            elif collective in ("reduce-scatter", "all-gather") and axis == "dp" and self.gloo_zero:
+                collective = "pairwise"  # ZeRO's direct exchanges of blocks on gloo
+            seconds, algorithm = self.fabric.time(collective, groups, nbytes, algorithm)
+            self.algorithms[f"{axis} {collective}"] = algorithm
+            self._comm_cache[key] = seconds
+        return self._comm_cache[key]
+
+    def _comm_on(self, r: int):
+        return lambda axis, collective, nbytes: self.comm(axis, collective, nbytes, r)
+
+    def send_seconds(self, src: int, dst: int, nbytes: float) -> float:
+        """A point-to-point message from pipeline rank ``src`` to ``dst``: every peer pair at once."""
+        key = ("send", src, dst, nbytes)
+        if key not in self._comm_cache:
+            lo = np.arange(src * self.per_stage, (src + 1) * self.per_stage)
+            pairs = np.stack([lo, lo + (dst - src) * self.per_stage], axis=1).tolist()
+            self._comm_cache[key] = self.fabric.time("send", pairs, nbytes)[0]
+        return self._comm_cache[key]
+
+    @property
+    def gloo_zero(self) -> bool:
+        return self.fabric.hw.backend == "gloo" and self.cfg.parallel.zero > 0
+
+    # ---- building ----------------------------------------------------------------------------------------
+
+    def build(self) -> Graph:
+        if self.pp > 1:
+            self._pipeline()
+        else:
+            self._one_stage()
+        return self.graph
+
+    def _task(self, r: int, name: str, kind: str, segments, deps=(), **args) -> Task:
+        segments = tuple(segments)
+        return self.graph.add(Task(name, kind, (r,), COMPUTE, sum(s for _, _, s in segments), list(deps),
+                                   segments=segments, args=args))
+
+    def _comm_task(self, ranks, name: str, axis: str, seconds: float, deps=(), stream: str | None = None,
+                   nbytes: float = 0.0) -> Task:
+        """A collective on its stream (``stream``: another one, e.g. the compute stream of a blocking call);
+        on hardware that cannot overlap, always on the compute stream."""
+        axis = AXIS_OF.get(axis, axis)
+        stream = COMPUTE if not self.fabric.hw.overlap else (stream or axis)
+        return self.graph.add(Task(name, name, tuple(ranks), stream, seconds, list(deps), axis=axis, nbytes=nbytes))
+
+    def pieces(self, stage: int) -> list:
+        out = [EMBED] if stage == 0 else []
+        out += list(self.split[stage])
+        if stage == self.pp * self.v - 1:
+            out.append(HEAD)
+        return out
+
+    def _segments(self, stage: int, phase: str) -> list:
+        pieces = self.pieces(stage)
+        if phase != "F":
+            pieces = pieces[::-1]
+        return [s for pc in pieces for s in self.layers.segments(pc, phase)]
+
+    # ---- a pipeline --------------------------------------------------------------------------------------
+
+    def _pipeline(self) -> None:
+        p = self.cfg.parallel
+        schedule = build_schedule(p.pp_schedule, self.pp, self.m, self.v)
+        split_backward = any(a.kind == W for acts in schedule for a in acts)
+        message = self.costs.batch * self.costs.tokens * self.cfg.model.d_model * ACT_BYTES
+        sent: dict[tuple, Task] = {}
+        waits: list[tuple[Task, tuple]] = []
+        self.last_compute: list[Task] = []
+        for r, actions in enumerate(schedule):
+            pending: list[tuple] = []
+            previous = None
+            for a in actions:
+                stage = a.chunk * self.pp + r
+                if a.kind in (F, B, W):
+                    phase = "B-split" if a.kind == B and split_backward else a.kind
+                    previous = self._task(r, f"{a.kind}{a.mb}" + (f" c{a.chunk}" if self.v > 1 else ""), a.kind,
+                                          self._segments(stage, phase), stage=stage, mb=a.mb, chunk=a.chunk)
+                    waits += [(previous, key) for key in pending]
+                    pending = []
+                elif a.kind in (SEND_F, SEND_B):
+                    dst_stage = stage + (1 if a.kind == SEND_F else -1)
+                    t = self._comm_task([r], f"{a.kind} mb{a.mb}", "pp",
+                                        self.send_seconds(r, a.peer, message), [previous], nbytes=message)
+                    sent[(a.kind, dst_stage, a.mb)] = t
+                else:
+                    pending.append((SEND_F if a.kind == RECV_F else SEND_B, stage, a.mb))
+            self.last_compute.append(previous)
+        for task, key in waits:
+            task.deps.append(sent[key])
+        ends = list(self.last_compute)
+        if self.cfg.model.tie_embeddings:  # the two copies of the tied table add their gradients
+            first, last = 0, (self.pp * self.v - 1) % self.pp
+            table = self._table_bytes()
+            seconds = self.send_seconds(first, last, table)
+            sync = self._comm_task([first, last], "tied grads exchange", "pp", seconds,
+                                   [ends[first], ends[last]], stream="sync", nbytes=table)
+            ends[first] = ends[last] = sync
+        self._after_backward(ends, after_flush=True)
+
+    def _table_bytes(self) -> float:
+        m, tp = self.cfg.model, self.cfg.parallel.tp
+        return 4.0 * -(-m.vocab_size // tp) * m.d_model
+
+    # ---- one stage -----------------------------------------------------------------------------------------
+
+    def _one_stage(self) -> None:
+        p = self.cfg.parallel
+        rp = self.params[0]
+        pieces = self.pieces(0)
+        shard = p.dp * p.cp
+        zero3 = p.zero == 3 and shard > 1
+        unit_of = {rp.pieces[i]: u for u, g in enumerate(rp.groups) for i in g} if zero3 else {}
+        first_of = {}  # each unit's first piece in forward order: where its gather waits and its gradients end
+        for pc in pieces:
+            first_of.setdefault(unit_of.get(pc, 0), pc)
+        n_units = len(rp.groups) if zero3 else 0
+        previous: Task | None = None
+        self._bucket_tasks: list[Task] = []
+        for mb in range(self.m):
+            last = mb == self.m - 1
+            before = [previous] if previous else []
+            gathers: dict[int, Task] = {}
+            if zero3:  # the root's pre-forward hook gathers the root and prefetches unit 1
+                gathers[0] = self._gather(0, rp.groups[0], before, f"gather root mb{mb}")
+                if n_units > 1:
+                    gathers[1] = self._gather(0, rp.groups[1], before, f"gather u1 mb{mb}")
+            for pc in pieces:
+                u = unit_of.get(pc, 0)
+                deps = ([previous] if previous else []) + ([gathers[u]] if zero3 else [])
+                if zero3 and u > 0 and pc == first_of[u] and u + 1 < n_units:  # prefetch the next unit
+                    gathers[u + 1] = self._gather(0, rp.groups[u + 1], [previous], f"gather u{u + 1} mb{mb}")
+                previous = self._task(0, f"F{mb} {pc}", "F", self.layers.segments(pc, "F"), deps, mb=mb)
+            gathers = {}
+            ready: set = set()
+            launched = 0
+            for pc in reversed(pieces):
+                u = unit_of.get(pc, 0)
+                deps = [previous]
+                if zero3 and u > 0:
+                    if u not in gathers:  # the unit's pre-backward hook: gather it, prefetch the one before
+                        gathers[u] = self._gather(0, rp.groups[u], [previous], f"gather u{u} bwd mb{mb}", True)
+                        if u - 1 >= 1:
+                            gathers[u - 1] = self._gather(0, rp.groups[u - 1], [previous],
+                                                          f"gather u{u - 1} bwd mb{mb}", True)
+                    deps.append(gathers[u])
+                previous = self._task(0, f"B{mb} {pc}", "B", self.layers.segments(pc, "B"), deps, mb=mb)
+                if not last or shard == 1:
+                    continue
+                if zero3 and pc == first_of[u]:  # the unit's gradients are complete: reduce-scatter them
+                    rs = self._reduce(0, rp.groups[u], [previous], f"reduce-scatter u{u}")
+                    if self.fabric.hw.backend == "gloo":  # overlap_reduce is off on CPU: backward waits
+                        previous = self._task(0, f"wait u{u}", "wait", [("wait", None, 0.0)], [previous, rs])
+                elif not zero3:
+                    ready.add(pc)
+                    previous, launched = self._launch_ready(rp, ready, launched, previous)
+            if last and shard > 1 and not zero3:
+                previous = self._task(0, "wait for gradients", "wait", [("wait", None, 0.0)],
+                                      [previous, *self._bucket_tasks])
+        self._after_backward([previous], after_flush=False)
+
+    def _launch_ready(self, rp: RankParams, ready: set, launched: int, previous: Task) -> tuple[Task, int]:
+        """Launch every bucket whose gradients are all there, in bucket order (DataParallel's rule); ZeRO-2
+        on gloo waits for each reduce-scatter at once."""
+        p = self.cfg.parallel
+        while launched < len(rp.groups) and all(rp.pieces[i] in ready for i in rp.groups[launched]):
+            g = rp.groups[launched]
+            if p.zero == 0:
+                nbytes = 4.0 * (rp.group_numel(g) + len(g))  # the gradients and one "had a gradient" flag each
+                axis = "edp" if rp.expert[g[0]] else "dp_cp"
+                t = self._comm_task([0], f"all-reduce bucket {launched}", "dp",
+                                    self.comm(axis, "all-reduce", nbytes), [previous], nbytes=nbytes)
+            else:
+                t = self._reduce(0, g, [previous], f"reduce-scatter bucket {launched}")
+                if p.zero == 2 and self.fabric.hw.backend == "gloo":
+                    previous = self._task(0, f"wait bucket {launched}", "wait", [("wait", None, 0.0)], [previous, t])
+            self._bucket_tasks.append(t)
+            launched += 1
+        return previous, launched
+
+    def _gather(self, r: int, unit: list[int], deps, name: str, backward: bool = False) -> Task:
+        """A ZeRO-3 unit's all-gather; in backward with hpZ, inside the node from the secondary partitions."""
+        nbytes = self.unit_bytes(r, unit, padded=True)
+        axis = "hpz" if backward and self.cfg.parallel.zero_hpz > 1 else "dp_cp"
+        return self._comm_task([r], name, "dp", self.comm(axis, "all-gather", nbytes, r), deps, nbytes=nbytes)
+
+    def _reduce(self, r: int, unit: list[int], deps, name: str) -> Task:
+        """A unit's reduce-scatter; with ZeRO-Offload its gradient slice then goes to the host (a side stream)."""
+        nbytes = self.unit_bytes(r, unit, padded=True)
+        rs = self._comm_task([r], name, "dp", self.comm("dp_cp", "reduce-scatter", nbytes, r), deps, nbytes=nbytes)
+        p = self.cfg.parallel
+        if p.offload != "none":
+            shard = 4.0 * -(-self.params[r].group_numel(unit) // (p.dp * p.cp))
+            self._copies.setdefault(r, []).append(self._comm_task(
+                [r], f"{name}: gradient to host", "offload", shard / self.fabric.hw.pcie_bw, [rs], stream="pcie",
+                nbytes=shard))
+        return rs
+
+    def unit_bytes(self, r: int, unit: list[int], padded: bool) -> float:
+        p = self.cfg.parallel
+        world = p.dp * p.cp
+        n = self.params[r].group_numel(unit)
+        elt = 2.0 if p.zero_param_dtype == "bf16" else 4.0
+        return elt * (-(-n // world) * world if padded else n)
+
+    # ---- after the backward --------------------------------------------------------------------------------
+
+    def _after_backward(self, ends: list[Task], after_flush: bool) -> None:
+        p = self.cfg.parallel
+        shard = p.dp * p.cp
+        for r in range(self.pp):
+            rp = self.params[r]
+            prev = ends[r]
+            if after_flush and shard > 1:  # every bucket at once after the flush, then waited for
+                deps = [prev]
+                for i, g in enumerate(rp.groups):
+                    if p.zero == 0:
+                        nbytes = 4.0 * (rp.group_numel(g) + len(g))
+                        axis = "edp" if rp.expert[g[0]] else "dp_cp"
+                        deps.append(self._comm_task([r], f"all-reduce bucket {i}", "dp",
+                                                    self.comm(axis, "all-reduce", nbytes, r), [prev], nbytes=nbytes))
+                    else:
+                        deps.append(self._reduce(r, g, [prev], f"reduce-scatter bucket {i}"))
+                prev = self._task(r, "wait for gradients", "wait", [("wait", None, 0.0)], deps)
+            if p.zero and shard > 1:  # which parameters had a gradient (one uint8 each)
+                prev = self._blocking(r, "grad flags all-reduce", "dp", self.comm("dp_cp", "all-reduce",
+                                                                                 float(len(rp.names)), r), prev)
+            ends[r] = prev
+        ends = self._sync(ends, "pp", "pipeline loss all-reduce", 8.0) if self.pp > 1 else ends
+        ends = self._sync(ends, "pp", "timeline gather", 4096.0) if self.pp > 1 else ends
+        # the global gradient norm: one scalar all-reduce per group the pieces are spread over
+        for axis, on in (("tp", p.tp > 1), ("dp_cp", p.zero > 0 and shard > 1), ("pp", self.pp > 1)):
+            if on:
+                ends = self._sync(ends, axis, f"grad norm all-reduce ({axis})", 8.0)
+        for r in range(self.pp):
+            rp = self.params[r]
+            elements = rp.total if p.zero == 0 else sum(-(-rp.group_numel(g) // shard) for g in rp.groups)
+            prev = self._optimizer(r, elements, len(rp.names), ends[r])
+            if p.zero in (1, 2) and shard > 1:
+                for i, g in enumerate(rp.groups):
+                    prev = self._blocking(r, f"all-gather bucket {i}", "dp",
+                                          self.comm("dp_cp", "all-gather", self.unit_bytes(r, g, True), r), prev)
+            ends[r] = prev
+        loss_axis = "dp_cp" if shard > 1 else None
+        if loss_axis:
+            ends = self._sync(ends, "dp_cp", "loss all-reduce", 8.0)
+        overhead = self.fabric.hw.step_overhead
+        for r in range(self.pp):
+            if overhead:
+                self._task(r, "step overhead", "overhead", [("overhead", None, overhead)], [ends[r]])
+
+    def _optimizer(self, r: int, elements: float, tensors: int, prev: Task) -> Task:
+        """The optimizer step on the device, or with ZeRO-Offload on the host (Ren et al. 2021 §4: after the
+        gradient slices arrived; "disk" also streams the fp32 masters and moments in and out, Rajbhandari et al.
+        2021 §5), the updated slice then copied back before the next forward."""
+        hw, p = self.fabric.hw, self.cfg.parallel
+        if p.offload == "none":
+            return self._task(r, "optimizer step", "opt",
+                              [("optimizer", None, self.costs.optimizer_seconds(elements, tensors))], [prev])
+        host = elements * 40 / hw.host_bw + (2 * 12 * elements / hw.nvme_bw if p.offload == "disk" else 0.0)
+        step = self._task(r, "optimizer step (host)", "opt", [("optimizer (host)", None, host)],
+                          [prev, *self._copies.get(r, [])])
+        elt = 2.0 if p.zero_param_dtype == "bf16" else 4.0
+        return self._blocking(r, "weights to the device", "offload", elements * elt / hw.pcie_bw, step)
+
+    def _blocking(self, r: int, name: str, axis: str, seconds: float, prev: Task) -> Task:
+        return self._comm_task([r], name, axis, seconds, [prev], stream=COMPUTE)
+
+    def _sync(self, ends: list[Task], axis: str, name: str, nbytes: float) -> list[Task]:
+        """A small collective every pipeline rank takes part in (its groups' peers too): a synchronisation."""
+        seconds = max(self.comm(axis, "all-reduce", nbytes, r) for r in range(self.pp)) if axis != "pp" else \
+            self.comm("pp", "all-reduce", nbytes, 0)
+        if axis == "pp":
+            t = self._comm_task(range(self.pp), name, "pp", seconds, ends, stream=COMPUTE, nbytes=nbytes)
+            return [t] * self.pp
+        return [self._comm_task([r], name, axis, seconds, [ends[r]], stream=COMPUTE, nbytes=nbytes)
+                for r in range(self.pp)]
