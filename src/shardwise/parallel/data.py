@@ -214,6 +214,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
+        self._scale = 1.0 / self.world_size
         self.all_reduce_fn = all_reduce_fn or start_native_all_reduce
         self.comm_bytes_last_step = 0
         """Bytes handed to all-reduce in the last synchronisation (gradients plus flags)."""
@@ -346,12 +347,13 @@ class DataParallel(nn.Module):
             self._launched_early += 1
 
     def _stage(self, bucket: _Bucket, pos: int) -> None:
-        """Copy one parameter's gradient into its bucket, pre-divided by the group size."""
+        """Copy one parameter's gradient into its bucket, times 1 / group size in the same pass (as torch DDP's
+        reducer does: a multiply, cheaper than a divide on the CPU, and the same number for a power-of-two group)."""
         grad, view = bucket.params[pos].grad, bucket.views[pos]
         if grad.data_ptr() == view.data_ptr():  # .grad is already this bucket view: scale in place
-            view.div_(self.world_size)
+            view.mul_(self._scale)
         else:
-            torch.div(grad, self.world_size, out=view)
+            torch.mul(grad, self._scale, out=view)
 
     def _launch(self, bucket: _Bucket) -> None:
         if not bucket.reduce:
