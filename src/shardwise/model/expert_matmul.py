@@ -15,7 +15,7 @@ expert ``e`` and stacked weights ``[E, out, in]``. Three ways to compute every e
 
 :func:`pick` chooses (``auto``): grouped where the device offers it for the dtype (probed once per device
 and dtype by each :class:`Capability`), else padded when ``E * C - N <= PAD_ROWS_PER_EXPERT * E``, else the loop;
-on a CPU in half precision padded comes before grouped (:data:`HALF`).
+on a CPU the grouped GEMM of a half-precision model runs in fp32 (:data:`HALF`).
 On this CPU (torch 2.13) the grouped GEMM is offered in fp32 and bf16, forward and backward, bit-equal to the
 loop, for widths whose rows are a multiple of 16 bytes (:func:`aligned`); its backward needs a gradient
 with real strides (an expanded one, as ``y.sum().backward()`` gives,
@@ -41,11 +41,19 @@ the padded matmul beat the loop up to a padding ``E * C / N`` between 2.1 and 3.
 
 HALF = (torch.bfloat16, torch.float16)
 """On a CPU, oneDNN builds (JIT-compiles) a half-precision matmul kernel for every new shape, about 1 ms each
-here, and caches 1024 of them: the grouped GEMM (a loop of matmuls on the CPU) meets new row counts per
-expert in every step and pays it per expert, the padded matmul once. So on a CPU in half precision the
-padded matmul comes first (64 experts top-8 of 2048 tokens, forward + backward of cpu-demo's 4 blocks: 1.16 s
-padded against 1.89 s grouped, CPU time; in fp32, where the grouped GEMM pays no such cost, 0.67 s grouped
-against 1.51 s padded)."""
+here, and caches 1024 of them. The grouped GEMM (a loop of matmuls on the CPU) meets new row counts per expert
+in every step: 64 experts x 3 matmuls (forward, two in backward) x 2 maps x 4 blocks are 1,536 shapes a step,
+more than the cache holds, so in half precision it rebuilds kernels all the time (cpu-demo with 64 experts
+top-8, bf16 autocast: 1.78 s of a 2.1 s forward + backward in ``mm``). So on a CPU the grouped GEMM of a
+half-precision model runs in fp32 (inputs cast up, the output cast back to the half dtype, as autocast's
+``linear`` would return it; more exact, not less), where no kernel is built per shape: 8-14x faster than the
+half-precision grouped GEMM, 2-4x faster than the padded matmul (``bench/bench_moe_block.py --kernels``)."""
+
+
+def grouped_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the grouped GEMM runs in for a layer computing in ``dtype``: fp32 on a CPU for a half dtype
+    (:data:`HALF`), else ``dtype``."""
+    return torch.float32 if device.type == "cpu" and dtype in HALF else dtype
 
 
 class Capability:
@@ -106,34 +114,41 @@ class ExpertRows:
             self._expert = torch.repeat_interleave(ids, self.counts, output_size=self.rows)
         return self._expert
 
-    def slots(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Each row's ``(expert, position in its expert's run)`` and the busiest count ``C`` (a host sync)."""
+    def slots(self) -> tuple[torch.Tensor, int]:
+        """Each row's place ``expert * C + position in its expert's run`` in the padded ``[E * C]`` rows, and the
+        busiest count ``C`` (a host sync)."""
         if self._slot is None:
+            c = int(self.counts.max()) if self.rows else 0
             starts = self.ends - self.counts
             position = torch.arange(self.rows, device=self.counts.device) - starts[self.expert]
-            self._slot = (self.expert, position, int(self.counts.max()) if self.rows else 0)
+            self._slot = (self.expert * c + position, c)
         return self._slot
 
     def wasted(self) -> int:
         """``E * C - N``: the rows the padded matmul would compute for nothing (a host sync)."""
-        return self.counts.numel() * self.slots()[2] - self.rows
+        return self.counts.numel() * self.slots()[1] - self.rows
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [rows, d]`` as ``[E, C, d]``, zeros after each expert's run."""
-        expert, position, c = self.slots()
-        return x.new_zeros(self.counts.numel(), c, x.shape[-1]).index_put((expert, position), x)
+        """``x [rows, d]`` as ``[E, C, d]``, zeros after each expert's run. (``index_copy`` / ``index_select``, not
+        advanced indexing: the backward of an indexed read is an accumulating ``index_put``, several times slower
+        on a CPU than ``index_select``'s ``index_add``.)"""
+        place, c = self.slots()
+        e, d = self.counts.numel(), x.shape[-1]
+        return x.new_zeros(e * c, d).index_copy(0, place, x).view(e, c, d)
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
-        expert, position, _ = self.slots()
-        return y[expert, position]
+        """The rows of the padded ``y [E, C, d]`` that hold real tokens, in expert-major order."""
+        return y.reshape(-1, y.shape[-1]).index_select(0, self.slots()[0])
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: ExpertRows
                    ) -> torch.Tensor:
     """``x_e W_e^T + b_e`` for every expert's run of ``x [N, in]`` in one grouped GEMM (``weight [E, out, in]``)."""
     dtype = compute_dtype(x)
-    y = F.grouped_mm(x.to(dtype), weight.to(dtype).transpose(-2, -1), offs=rows.offsets)
-    return y if bias is None else y + bias.to(dtype)[rows.expert]
+    run = grouped_dtype(x.device, dtype)
+    y = F.grouped_mm(x.to(run), weight.to(run).transpose(-2, -1), offs=rows.offsets)
+    y = y if bias is None else y + bias.to(run).index_select(0, rows.expert)
+    return y.to(dtype)
 
 
 def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -155,14 +170,13 @@ def pick(kernel: str, capability: Capability, x: torch.Tensor, rows: ExpertRows,
     ``widths``; an explicit kernel is returned as it is."""
     if kernel != "auto":
         return kernel
-    dtype = compute_dtype(x)
-    traceable = dtype == torch.bfloat16 or not torch.compiler.is_compiling()  # torch's meta kernel: bf16 only
-    grouped = traceable and aligned(widths, dtype) and capability.grouped(x.device, dtype)
-    if grouped and not (x.device.type == "cpu" and dtype in HALF):
+    run = grouped_dtype(x.device, compute_dtype(x))
+    traceable = run == torch.bfloat16 or not torch.compiler.is_compiling()  # torch's meta kernel: bf16 only
+    if traceable and aligned(widths, run) and capability.grouped(x.device, run):
         return "grouped"
     if rows.wasted() <= PAD_ROWS_PER_EXPERT * rows.counts.numel():
         return "padded"
-    return "grouped" if grouped else "loop"
+    return "loop"
 
 
 class _DenseGrad(torch.autograd.Function):

@@ -283,7 +283,7 @@ class MoE(nn.Module):
         logits = self.router(h)
         experts, gates, probs = self.router.choose(logits, self.top_k)
         routing = assign(experts, gates, self.n_experts, self.capacity_factor)
-        y = self.experts(h[routing.token], routing.counts)
+        y = self.experts(h.index_select(0, routing.token), routing.counts)  # backward: an index_add, not index_put
         out = combine(y, routing, h.shape[0]).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared(h)

@@ -106,11 +106,11 @@ class ExpertParallel(Experts):
         out_splits = got.sum(1).tolist()
         arrived = dispatch(x, out_splits, in_splits, self.group, self.algorithm, self.stats, self.timeout_s)
         perm = _expert_major(got)
-        y = super().forward(arrived[perm.to(arrived.device)], got.sum(0).to(x.device))  # with no tokens too
+        y = super().forward(arrived.index_select(0, perm.to(arrived.device)), got.sum(0).to(x.device))  # also none
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel())
-        return dispatch(y[back.to(y.device)], in_splits, out_splits, self.group, self.algorithm, self.stats,
-                        self.timeout_s)
+        return dispatch(y.index_select(0, back.to(y.device)), in_splits, out_splits, self.group, self.algorithm,
+                        self.stats, self.timeout_s)
 
     def extra_repr(self) -> str:
         start = self.rank * self.n_local
