@@ -113,7 +113,7 @@ def _rank_world():
 
 
 def _compare_with_torch_ddp(kind: str, bucket_mb: float, unused: str = "none", steps: int = 3,
-                            set_to_none: bool = True):
+                            set_to_none: bool = True, last_bucket_mb: float | None = None):
     """Run ours and torch DDP side by side on identical replicas and data; return the largest grad difference.
 
     unused: "none"; "all" (MLP.spare never used); "rank1" (fc2 skipped on rank 1 only).
@@ -123,7 +123,7 @@ def _compare_with_torch_ddp(kind: str, bucket_mb: float, unused: str = "none", s
     spare = {"spare": True} if unused == "all" else {}
     ours_model = build(kind, **spare)
     ref_model = copy.deepcopy(ours_model)
-    ours = DataParallel(ours_model, bucket_mb=bucket_mb)
+    ours = DataParallel(ours_model, bucket_mb=bucket_mb, last_bucket_mb=last_bucket_mb)
     ref = DDP(ref_model, bucket_cap_mb=bucket_mb, find_unused_parameters=unused != "none")
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours_model, ref_model)]
     worst, none_pattern = 0.0, []
@@ -187,15 +187,19 @@ def test_the_last_bucket_holds_only_the_gradients_that_come_last():
                                                                                4416, 2944]
     assert sum(len(b) for b in buckets) == len(names)
     assert len(_assign_buckets(list(model.parameters()), 2097, last_bytes=1 << 20)) == TINYLM_SMALL_BUCKETS
+    assert len(_assign_buckets(list(model.parameters()), 2097)) == TINYLM_SMALL_BUCKETS  # the default
 
 
 @pytest.mark.parametrize(
-    "kind, bucket_mb, set_to_none, expected_buckets",
-    [("mlp", 25.0, True, 1), ("tinylm", 25.0, True, 1), ("tinylm", TINY_BUCKET_MB, True, TINYLM_SMALL_BUCKETS),
-     ("tinylm", TINY_BUCKET_MB, False, TINYLM_SMALL_BUCKETS)],
+    "kind, bucket_mb, set_to_none, expected_buckets, last_bucket_mb",
+    [("mlp", 25.0, True, 1, None), ("tinylm", 25.0, True, 1, None),
+     ("tinylm", TINY_BUCKET_MB, True, TINYLM_SMALL_BUCKETS, None),
+     ("tinylm", TINY_BUCKET_MB, False, TINYLM_SMALL_BUCKETS, None),
+     ("tinylm", 5000 / 2**20, True, 7, 3000 / 2**20)],  # the cut counted by hand above
 )
-def test_gradients_equal_torch_ddp(kind, bucket_mb, set_to_none, expected_buckets):
-    results = run_on_ranks(2, _compare_with_torch_ddp, kind, bucket_mb, set_to_none=set_to_none)
+def test_gradients_equal_torch_ddp(kind, bucket_mb, set_to_none, expected_buckets, last_bucket_mb):
+    results = run_on_ranks(2, _compare_with_torch_ddp, kind, bucket_mb, set_to_none=set_to_none,
+                           last_bucket_mb=last_bucket_mb)
     for worst, nones, n_buckets in results:
         assert worst == 0.0  # same arithmetic: divide by 2 (exact) and a two-term sum
         assert nones == []

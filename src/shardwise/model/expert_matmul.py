@@ -46,8 +46,9 @@ in every step: 64 experts x 3 matmuls (forward, two in backward) x 2 maps x 4 bl
 more than the cache holds, so in half precision it rebuilds kernels all the time (cpu-demo with 64 experts
 top-8, bf16 autocast: 1.78 s of a 2.1 s forward + backward in ``mm``). So on a CPU the grouped GEMM of a
 half-precision model runs in fp32 (inputs cast up, the output cast back to the half dtype, as autocast's
-``linear`` would return it; more exact, not less), where no kernel is built per shape: 8-14x faster than the
-half-precision grouped GEMM, 2-4x faster than the padded matmul (``bench/bench_moe_block.py --kernels``)."""
+``linear`` would return it; more exact, not less), where no kernel is built per shape. Measured: that model's
+``mm`` time fell from 1.78 s to 0.14 s; one block of 64 experts (``bench/bench_moe_block.py --kernels``, bf16,
+forward + backward) 6-7 ms against 20-25 ms in bf16 and 12-21 ms padded."""
 
 
 def grouped_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:

@@ -122,14 +122,8 @@ class _Bucket:
     """Per parameter: whether its gradient came in this backward pass."""
 
 
-LAST_BUCKET_BYTES = 1 << 20
-"""The bucket of the gradients that backward produces last holds at most this many bytes (when the cap is
-larger), the one before it twice as many, and so on up to the cap: the buckets launched near the end of
-backward are small, so little communication is left when backward ends."""
-
-
 def _assign_buckets(params: list[nn.Parameter], cap_bytes: int, kind=lambda p: 0,
-                    last_bytes: int = LAST_BUCKET_BYTES) -> list[list[nn.Parameter]]:
+                    last_bytes: int | None = None) -> list[list[nn.Parameter]]:
     """Group parameters into buckets, in reverse registration order (roughly the order backward produces
     their gradients).
 
@@ -140,9 +134,9 @@ def _assign_buckets(params: list[nn.Parameter], cap_bytes: int, kind=lambda p: 0
     adding the next parameter would pass its limit; a parameter larger than the limit gets a bucket of its
     own): what is left to communicate when backward ends is about ``last_bytes``, the buckets before it
     overlap the last layers' backward, and a model still costs few all-reduces (a few more than ``size /
-    cap``). With ``cap_bytes <= last_bytes``, or parameters of several dtypes or devices, buckets are cut front
-    to back as torch DDP does. Buckets are ordered by their first parameter, so the order is the same on every
-    rank.
+    cap``). With ``last_bytes`` None (the default) or ``>= cap_bytes``, or parameters of several dtypes or
+    devices, buckets are cut front to back as torch DDP does. Buckets are ordered by their first parameter, so
+    the order is the same on every rank.
     """
     order = list(reversed(params))
     kinds = dict.fromkeys(kind(p) for p in order)
@@ -151,9 +145,9 @@ def _assign_buckets(params: list[nn.Parameter], cap_bytes: int, kind=lambda p: 0
     return sorted(buckets, key=lambda b: position[id(b[0])])
 
 
-def _cut(ordered: list[nn.Parameter], cap_bytes: int, last_bytes: int) -> list[list[nn.Parameter]]:
+def _cut(ordered: list[nn.Parameter], cap_bytes: int, last_bytes: int | None) -> list[list[nn.Parameter]]:
     """Buckets of ``ordered`` (one kind) as :func:`_assign_buckets` says."""
-    if last_bytes >= cap_bytes or len({(p.dtype, p.device) for p in ordered}) != 1:
+    if last_bytes is None or last_bytes >= cap_bytes or len({(p.dtype, p.device) for p in ordered}) != 1:
         return list(_chunks(ordered, cap_bytes))
     buckets: list[list[nn.Parameter]] = []
     limit, end = last_bytes, len(ordered)
@@ -195,6 +189,11 @@ class DataParallel(nn.Module):
         module: the model; its parameters stay where they are (no copies).
         group: the data-parallel process group (``None``: the default group).
         bucket_mb: bucket size in MiB; smaller buckets start communicating earlier.
+        last_bucket_mb: the bucket of the gradients backward produces last holds at most this many MiB, the one
+            before it twice as many, ... up to ``bucket_mb`` (:func:`_assign_buckets`): less communication is
+            left when backward ends, for a few more all-reduces. ``None`` (default): torch DDP's cut. On the
+            2-core CPU with gloo, 1 MiB cost 1-2 % of the step (README, data parallelism), so it is not the
+            default there.
         broadcast_from: rank *within group* whose weights every replica starts from.
         all_reduce_fn: ``fn(flat, group) -> Work | None`` summing ``flat`` in place;
             default the backend's native all-reduce. (Other algorithms plug in here.)
@@ -209,7 +208,7 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0,
                  broadcast_from: int = 0, all_reduce_fn: AllReduceFn | None = None, comm_thread: bool | None = None,
-                 expert_group: dist.ProcessGroup | None = None):
+                 expert_group: dist.ProcessGroup | None = None, last_bucket_mb: float | None = None):
         super().__init__()
         self.module = module
         self.group = group
@@ -239,7 +238,8 @@ class DataParallel(nn.Module):
             broadcast_tensors([p.data for p in module.parameters() if id(p) in experts], expert_group, 0,
                               int(bucket_mb * 2**20))
         cap = max(int(bucket_mb * 2**20), 1)
-        for i, params in enumerate(_assign_buckets(self._params, cap, kind=expert)):
+        last = None if last_bucket_mb is None else max(int(last_bucket_mb * 2**20), 1)
+        for i, params in enumerate(_assign_buckets(self._params, cap, kind=expert, last_bytes=last)):
             b = self._make_bucket(i, params)
             if expert(params[0]):
                 b.group, b.reduce = expert_group, dist.get_world_size(expert_group) > 1
