@@ -18,11 +18,13 @@ from tests.test_train import run
 ASYNC = {"ckpt.every": 2, "ckpt.keep": 2, "ckpt.async": "true", "train.steps": 6}
 
 
-def test_async_checkpoints_hold_the_state_and_resume_bit_identically(tmp_path, cache_dir):
+@pytest.mark.parametrize("zero", [0, 3], ids=["dp", "zero3"])
+def test_async_checkpoints_hold_the_state_and_resume_bit_identically(tmp_path, cache_dir, zero):
     """The background writes hold what a synchronous save holds (the newest checkpoint, of the last step, is the
     final model; a run stopped after step 3 resumes from checkpoint 2 to the same bits), ckpt.keep prunes them,
-    and the trainer measures each checkpoint's stall and write."""
-    full = run(tmp_path, cache_dir, "async", 2, **ASYNC)
+    and the trainer measures each checkpoint's stall and write. ZeRO-3 hands the writer its shard's own storage
+    (no copy at the checkpoint step): the writer's copy must be done before the next update changes it."""
+    full = run(tmp_path, cache_dir, "async", 2, **ASYNC, **{"parallel.zero": zero})
     saved = list_checkpoints(tmp_path / "async" / "checkpoints")
     assert [p.name for p in saved] == ["step_00000004", "step_00000006"]  # ckpt.keep
     model = open_checkpoint(saved[-1]).model_state()
@@ -33,9 +35,9 @@ def test_async_checkpoints_hold_the_state_and_resume_bit_identically(tmp_path, c
     writes = [r["ckpt_write_s"] for r in rows if "ckpt_write_s" in r]
     assert stalls == [2, 4, 6] and len(writes) == 3 and all(w > 0 for w in writes)
 
-    run(tmp_path, cache_dir, "resumed", 2, stop_after=3, **ASYNC)
+    run(tmp_path, cache_dir, "resumed", 2, stop_after=3, **ASYNC, **{"parallel.zero": zero})
     assert [p.name for p in list_checkpoints(tmp_path / "resumed" / "checkpoints")] == ["step_00000002"]
-    resumed = run(tmp_path, cache_dir, "resumed", 2, **ASYNC, **{"ckpt.resume": "true"})
+    resumed = run(tmp_path, cache_dir, "resumed", 2, **ASYNC, **{"ckpt.resume": "true", "parallel.zero": zero})
     assert resumed[0] == full[0][2:]
     for key, value in full[1].items():
         assert torch.equal(value, resumed[1][key]), key

@@ -48,9 +48,8 @@ def _refusal(**overrides) -> str:
 @pytest.mark.parametrize(("overrides", "expected"), [
     ({"parallel.nproc": 3, "ps.servers": 1, "parallel.cp": 2},
      "ps.servers=1 with parallel.cp=2: the parameter server's workers hold whole replicas"),
-    ({"parallel.nproc": 3, "ps.servers": 1, "model.preset": "custom", "model.flavor": "bert", "model.n_layers": 2,
-      "model.d_model": 32, "model.n_heads": 4, "model.max_seq_len": 32, "train.objective": "mlm"},
-     "ps.servers=1 with train.objective='mlm': the parameter server trains next-token windows"),
+    ({"parallel.nproc": 3, "ps.servers": 1, "train.precision": "fp16"},
+     "ps.servers=1 with train.precision='fp16': the loss scaler's skipped steps"),
     ({"train.steps": "true"}, "train.steps=true is not an integer"),
     ({"parallel.sequence_parallel": 3}, "parallel.sequence_parallel=3 is not true or false"),
     ({"parallel.zero_quant_weights": "true"}, "parallel.zero_quant_weights=true quantizes"),

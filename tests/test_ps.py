@@ -51,8 +51,10 @@ def one_process(ref_dir, cache_dir):
 @pytest.mark.parametrize("servers", [1, 2])
 def test_bsp_equals_one_process(one_process, ref_dir, tmp_path, cache_dir, servers):
     """bsp with 2 workers and S servers trains the model one process trains with the same global batch;
-    with two servers, pushes go by priority under a 16 KiB credit (the order does not change the sums)."""
-    sched = {"ps.scheduling": "priority", "ps.credit_kb": 16} if servers == 2 else {}
+    with two servers, pushes go by priority under a 16 KiB credit (the order does not change the sums), and the
+    workers recompute their blocks' activations in backward (train.recompute full: the recomputed forward finds
+    its partitions pulled; the pushes still start from the gradient hooks)."""
+    sched = {"ps.scheduling": "priority", "ps.credit_kb": 16, "train.recompute": "full"} if servers == 2 else {}
     result = run(tmp_path, cache_dir, "bsp", 2 + servers, **{"ps.servers": servers, "ps.partition_kb": 8}, **sched)
     assert_same_training(result, one_process, atol=1e-5)
     rec = records(tmp_path / "bsp", 1)
@@ -68,6 +70,27 @@ def test_bsp_equals_one_process(one_process, ref_dir, tmp_path, cache_dir, serve
         n_parts = len(partition_model(Transformer(make_config(tmp_path / "shape", cache_dir, 1).model), 8 * 1024, 2))
         assert all(r["ps_pull_lazy_waits"] == n_parts for r in rec)
         assert all(0.0 <= r["ps_pull_overlap_frac"] <= 1.0 for r in rec)
+
+
+def test_bsp_trains_a_mixture_of_experts_as_one_process(tmp_path, cache_dir):
+    """The tiny MoE GPT with the sigmoid_bias router: each worker's forward adds its micro-batch's router losses
+    (one process accumulates the same micro-batches of 4), and in lock-step the workers add their loads and move
+    their routers' balancing bias alike (a buffer the servers do not hold), as one process moves its own."""
+    moe = {"model.preset": "tiny-moe", "model.moe_router": "sigmoid_bias", "model.moe_bias_rate": "0.01"}
+    reference = run(tmp_path, cache_dir, "moe1", 1, **moe, **{"train.micro_batch": 4})
+    result = run(tmp_path, cache_dir, "moe-bsp", 3, **PS, **moe)
+    assert_same_training(result, reference, atol=1e-5)
+    bias = [k for k in reference[1] if k.endswith("expert_bias")]
+    assert bias and all(reference[1][k].abs().sum() > 0 and torch.equal(result[1][k], reference[1][k]) for k in bias)
+
+
+def test_bsp_trains_bert_mlm_with_dropout_as_one_process(tmp_path, cache_dir):
+    """Masked windows (train.objective mlm) and dropout 0.1: each worker's forward gets the key of its
+    micro-batches' place in the global batch, so it draws the masks one process draws for them."""
+    from tests.test_bert import BERT, DROPOUT
+
+    reference = run(tmp_path, cache_dir, "bert1", 1, **BERT, **DROPOUT)
+    assert_same_training(run(tmp_path, cache_dir, "bert-bsp", 3, **PS, **BERT, **DROPOUT), reference, atol=1e-5)
 
 
 def test_ssp_with_zero_staleness_and_full_topk_equal_one_process(one_process, tmp_path, cache_dir):

@@ -104,32 +104,45 @@ def read_metrics(run_dir):
     return [r for r in rows if "moe_dropped_frac" in r]
 
 
-@pytest.mark.parametrize("zero", [0, 1], ids=["dp", "zero1"])
-def test_ep_bytes_are_counted_where_sent(tmp_path, cache_dir, zero):
+@pytest.mark.parametrize("layout", [
+    {"parallel.zero": 0},
+    {"parallel.zero": 1},
+    {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
+    {"parallel.cp": 2},
+], ids=["dp", "zero1", "tp2-sp", "cp2"])
+def test_ep_bytes_are_counted_where_sent(tmp_path, cache_dir, layout):
     """ep_sent_bytes per step, measured by the counting layer at each all-to-all, against the planner
     (plan --compare). Per MoE block and micro-batch a rank hands over: the n_experts int64 split sizes, its
-    own micro_batch * seq * top_k routed rows twice (dispatch forward, combine backward) and the R rows its
-    experts received twice (combine forward, dispatch backward). R depends on the routing: the planner
-    predicts its mean over the ep group (R = micro_batch * seq * top_k), so the measured bytes minus the
-    exactly known part are a whole number of received rows, between 0 and ep times the balanced count.
-    The data-parallel all-reduces (dense over dp, experts over their replicas) are predicted exactly, and so
-    are ZeRO-1's reduce-scatters and all-gathers (dense units over dp, expert units over their replicas) and
-    its flags; this model's units need no padding, so the paper's model-state formula is the engine's here."""
+    own routed rows (micro_batch x its tokens x top_k) twice (dispatch forward, combine backward) and the R rows
+    its experts received twice (combine forward, dispatch backward). Its tokens: the sequence's 1/cp, and 1/tp
+    more with sequence parallelism, whose ranks then add the router's counts (int64) and probability and z sums
+    (n_experts + 1 fp32) per block; context parallelism adds the counts over cp. R depends on the routing: the
+    planner predicts its mean over the ep group, so the measured bytes minus the exactly known part are a whole
+    number of received rows, between 0 and ep times the balanced count. Everything else is predicted exactly:
+    the data-parallel all-reduces (dense over dp, experts over their replicas), ZeRO-1's reduce-scatters and
+    all-gathers and its flags, tensor parallelism's regions (attention only: a MoE block is whole on every tp
+    rank) and its gradient sums (the experts' 1/ep under sequence parallelism), context parallelism's ring, and
+    the model states per rank (the vocabulary-parallel table padded to equal pieces)."""
     from shardwise.config import Config
     from shardwise.plan.compare import measured_for_run, predicted_for_run
 
-    run(tmp_path, cache_dir, "bytes", 4, **{**MOE, "train.steps": 2, "parallel.ep": 2, "parallel.zero": zero})
+    run(tmp_path, cache_dir, "bytes", 4, **{**MOE, "train.steps": 2, "parallel.ep": 2, **layout})
     cfg = Config.load(tmp_path / "bytes" / "config.toml")
     pred, meas = predicted_for_run(cfg), measured_for_run(tmp_path / "bytes")
-    layers, rows, row_bytes, ep = cfg.model.n_layers, 2 * 32 * 2, 64 * 4, 2
-    known = layers * (8 * 4 + 2 * rows * row_bytes)
+    tp, cp, sp = cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.sequence_parallel
+    experts, layers, row_bytes, ep = cfg.model.n_experts, cfg.model.n_layers, 64 * 4, 2
+    micro_batch = 8 // (4 // (tp * cp))  # the global batch over dp
+    rows = micro_batch * 32 // cp // (tp if sp else 1) * 2  # top-2
+    router = (8 * experts + 4 * (experts + 1) if sp else 0) + (8 * experts if cp > 1 else 0)
+    known = layers * (8 * experts + 2 * rows * row_bytes + router)
     assert pred["ep_sent_bytes"] == known + layers * 2 * rows * row_bytes  # balanced routing
     received, rest = divmod(meas["ep_sent_bytes"] - known, 2 * row_bytes)
     assert rest == 0 and 0 <= received <= layers * ep * rows
-    assert pred["comm_bytes"] - pred["ep_sent_bytes"] == meas["dp_sent_bytes"]
+    assert pred["comm_bytes"] - pred["ep_sent_bytes"] == meas["comm_bytes"] - meas["ep_sent_bytes"]
+    for key in ("tp_sent_bytes", "cp_sent_bytes"):
+        assert pred[key] == meas.get(key, 0.0), key
     for key in ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes"):  # experts' memory per rank under ep
         assert pred[key] == meas[key], key
-
 
 
 def test_ep2_with_tp2_equals_one_process(reference, tmp_path, cache_dir):

@@ -149,6 +149,9 @@ def collective_time(collective: str, p: int, n: float, stride: int, cluster: Clu
     return min(flat, hier)
 
 
+FP32_BYTES = 4
+
+
 def strides(lay: Layout) -> dict[str, int]:
     """Distance between neighbouring ranks of each axis in shardwise's mesh order."""
     return {"tp": 1, "cp": lay.tp, "ep": lay.tp, "dp": lay.tp * lay.cp, "pp": lay.tp * lay.cp * lay.dp}
@@ -171,10 +174,16 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
     model, whose expert units are sliced over their own replicas), ``dp_flags`` is the engine's uint8 flag
     all-reduce over the whole data-parallel group.
 
+    Tensor parallelism: two regions per block (attention and MLP, Shoeybi et al. 2019 §3), one where the
+    MLP is a MoE block (whole on every tp rank; with sequence parallelism it routes this rank's tokens).
+
     Expert parallelism: each MoE block's tokens go out and back by all-to-all in forward and again
     in backward (4 per block and micro-batch, ``micro_batch * s * top_k`` rows of ``d_model``, dropless;
-    GShard, Lepikhin et al. 2021 §3.2), plus one exchange of the ``n_experts`` split sizes (int64) per
-    block and forward (:func:`expert_count_bytes`)."""
+    GShard, Lepikhin et al. 2021 §3.2; ``s / cp``, and ``s / (cp * tp)`` with sequence parallelism), plus one
+    exchange of the ``n_experts`` split sizes (int64) per block and forward (:func:`expert_count_bytes`).
+    Where one sequence's tokens are spread over ranks, the router's losses add up per block and forward:
+    the routed counts (int64) over tp with sequence parallelism and over cp, and the probability and z sums
+    (``n_experts + 1`` fp32) over tp (:mod:`shardwise.parallel.expert.sequence`)."""
     st = strides(lay)
     items: list[CommItem] = []
 
@@ -235,9 +244,10 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
     s_local = s // lay.cp
     act = lay.micro_batch * s_local * m.d_model * act_bytes
     layers = m.n_layers // lay.pp
+    moe_layers = m.n_layers // m.moe_every // lay.pp if m.n_experts else 0
+    fwd_passes = 2 if lay.recompute == "full" else 1
     if lay.tp > 1:
-        per_pass = 2 * layers * mb
-        fwd_passes = 2 if lay.recompute == "full" else 1
+        per_pass = (2 * layers - moe_layers) * mb  # attention and dense MLPs; a MoE block is whole on every tp rank
         if lay.sequence_parallel:
             add("tensor parallel (SP)", "all-gather", lay.tp, act, per_pass * (fwd_passes + 1), st["tp"], "none")
             add("tensor parallel (SP)", "reduce-scatter", lay.tp, act, per_pass * (fwd_passes + 1), st["tp"], "none")
@@ -251,22 +261,26 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
         # forward: K,V around the ring; backward: K,V again plus their gradients
         add("context parallel", "all-gather", lay.cp, kv * lay.cp, 3 * layers * mb, st["cp"], "attention")
     if m.n_experts and lay.ep > 1:
-        tokens = lay.micro_batch * s_local * m.moe_top_k * m.d_model * act_bytes
-        moe_layers = m.n_layers // m.moe_every // lay.pp
-        fwd_passes = 2 if lay.recompute == "full" else 1
+        routed = s_local // (lay.tp if lay.sequence_parallel else 1)  # sequence parallel: this rank's 1/tp
+        tokens = lay.micro_batch * routed * m.moe_top_k * m.d_model * act_bytes
         add("expert parallel", "all-to-all", lay.ep, tokens, 2 * (fwd_passes + 1) * moe_layers * mb, st["ep"],
             "none")
         add("expert parallel (counts)", "all-to-all", lay.ep, expert_count_bytes(m), fwd_passes * moe_layers * mb,
             st["ep"], "none")
+    if m.n_experts:  # the router's losses over a sequence spread over ranks (shardwise.parallel.expert.sequence)
+        calls = fwd_passes * moe_layers * mb
+        if lay.sequence_parallel and lay.tp > 1:
+            add("expert parallel (router counts, sp)", "all-reduce", lay.tp, expert_count_bytes(m), calls, st["tp"],
+                "none")
+            add("expert parallel (router sums, sp)", "all-reduce", lay.tp, FP32_BYTES * (m.n_experts + 1), calls,
+                st["tp"], "none")
+        add("expert parallel (router counts, cp)", "all-reduce", lay.cp, expert_count_bytes(m), calls, st["cp"], "none")
     return items
 
 
 def expert_count_bytes(m: ModelSpec) -> int:
     """The split sizes a MoE block exchanges before its tokens: one int64 per expert."""
     return 8 * m.n_experts
-
-
-FP32_BYTES = 4
 
 
 def pipeline_sent_bytes(m: ModelSpec, lay: Layout, s: int, act_bytes: int = FP32_BYTES,

@@ -157,11 +157,11 @@ def tp_grad_sync_bytes(m, lay: Layout) -> float:
     pass (micro-batch), fp32: with sequence parallelism every tensor Megatron leaves whole (norms,
     row-parallel biases, the position table) has a partial gradient summed over tp (Korthikanti et al.
     2022 §4.2.2); where tp > n_kv_heads the replicated key/value projections' gradients are summed at their
-    full size. Which tensors are split is the planner's (:mod:`shardwise.plan.tensors`, Shoeybi et al. 2019
-    §3)."""
+    full size; of a MoE block's experts, this rank's 1/ep. Which tensors are split is the planner's
+    (:mod:`shardwise.plan.tensors`, Shoeybi et al. 2019 §3)."""
     if lay.tp == 1:
         return 0.0
-    total = sum(p.numel * 4 for p in model_params(m)
+    total = sum(p.numel * 4 // (lay.ep if ".experts." in p.name else 1) for p in model_params(m)
                 if (p.split == "whole" and lay.sequence_parallel) or (p.split == "column_kv" and lay.tp > m.n_kv_heads))
     return float(total * lay.grad_accum)
 

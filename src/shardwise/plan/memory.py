@@ -194,8 +194,9 @@ def params_per_rank(m: ModelSpec, lay: Layout) -> tuple[float, float]:
     shared = mlp_params(m, m.moe_shared * m.d_ff) if m.moe_shared else 0.0
     qk = 2 * m.head_dim if m.qk_norm else 0  # QK-norm gains, whole on every tp rank
     dense_block = attn + 2 * norm + qk + (1 - moe_share) * mlp + moe_share * (h * m.n_experts + shared)
-    emb = m.vocab_size * h / t + (m.max_seq_len * h if m.flavor in ("gpt2", "bert") else 0)
-    head = m.vocab_size * h / t
+    rows = -(-m.vocab_size // t)  # vocabulary-parallel tables are padded to equal pieces
+    emb = rows * h + (m.max_seq_len * h if m.flavor in ("gpt2", "bert") else 0)
+    head = rows * h
     first = emb + (0 if lay.pp > 1 else norm + (0 if m.tie_embeddings else head))
     last = norm + (head if (lay.pp > 1 or not m.tie_embeddings) else 0)
     extra = first if lay.pp == 1 else max(first, last)

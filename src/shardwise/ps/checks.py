@@ -17,7 +17,7 @@ def worker_world(cfg: Config, world: int) -> int:
         raise ConfigError(f"ps.servers={s} leaves no worker among the {world} ranks; use at most {world - 1} "
                           f"or raise parallel.nproc")
     for dotted, value, off in [("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1), ("parallel.cp", p.cp, 1),
-                               ("parallel.zero", p.zero, 0)]:
+                               ("parallel.ep", p.ep, 1), ("parallel.zero", p.zero, 0)]:
         if value != off:  # checked first: the other layout checks would count the servers' ranks
             raise ConfigError(f"ps.servers={s} with {dotted}={value}: the parameter server's workers hold "
                               f"whole replicas; use {dotted}={off} or ps.servers=0")
@@ -51,12 +51,6 @@ def check(cfg: Config) -> None:
     if t.precision == "fp16":
         raise ConfigError(f"ps.servers={ps.servers} with train.precision='fp16': the loss scaler's skipped steps "
                           "would need every worker to agree; use train.precision='bf16' or 'fp32'")
-    if t.recompute != "none":
-        raise ConfigError(f"ps.servers={ps.servers} with train.recompute={t.recompute!r}: the parameter-server "
-                          "workers run the plain model; use train.recompute='none'")
-    if t.objective != "causal":
-        raise ConfigError(f"ps.servers={ps.servers} with train.objective={t.objective!r}: the parameter server trains "
-                          "next-token windows for now; use train.objective='causal' or ps.servers=0")
     if cfg.model.init_from:
         raise ConfigError(f"ps.servers={ps.servers} with model.init_from={cfg.model.init_from!r}: the parameter "
                           "server starts from the seed's initialisation for now; remove model.init_from or use "

@@ -23,9 +23,13 @@ import torch
 import torch.distributed as dist
 
 from shardwise.config import Config
-from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus, val_indices
+from shardwise.data import DistributedWindowSampler, prepare_corpus, val_indices
+from shardwise.data.objectives import objective_windows
 from shardwise.dist.mesh import default_group_timeout, init_distributed
 from shardwise.model import Transformer
+from shardwise.parallel.dropout import replica_key
+from shardwise.parallel.expert.router_step import router_step
+from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.tensor import state as tp_state
 from shardwise.ps import protocol
 from shardwise.ps.partition import partition_model
@@ -86,7 +90,7 @@ def run_ps(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: 
              for q in partition_model(model, cfg.ps.partition_kb * 1024, n_servers)]
     codec = protocol.PushCodec(cfg.comm.compression, cfg.comm.topk_ratio)
     names = aliases(model)
-    sampler = DistributedWindowSampler(len(TokenWindows(corpus.train_path, cfg.data.seq_len)), tcfg.global_batch,
+    sampler = DistributedWindowSampler(len(objective_windows(cfg, corpus, "train")), tcfg.global_batch,
                                        tcfg.seed, rank if rank < n_workers else 0, n_workers)
     reader, start_step = None, 0
     log = MetricsLogger(run_dir, enabled=rank == 0, total_steps=tcfg.steps,
@@ -137,7 +141,7 @@ def run_ps(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: 
         local_losses, done = _work(cfg, run_dir, model, parts, codec, sampler, corpus, worker_group, log, save,
                                    start_step, stop_after)
         result.final_step = done
-        result.val_loss = _evaluate(model, TokenWindows(corpus.val_path, cfg.data.seq_len), tcfg, rank,
+        result.val_loss = _evaluate(model, objective_windows(cfg, corpus, "val"), tcfg, rank,
                                     n_workers, worker_group)
         if rank == 0 and result.val_loss is not None:
             log.log(done, {"val_loss": result.val_loss})
@@ -157,11 +161,12 @@ def _work(cfg, run_dir, model, parts, codec, sampler, corpus, worker_group, log,
     tcfg, ps = cfg.train, cfg.ps
     rank = dist.get_rank()
     lag_rank, lag_s = straggler(ps.straggler)
+    apply_recompute(model, tcfg.recompute, tcfg.recompute_every)  # the worker's replica, as the engine does
     worker = Worker(model, parts, codec, ps.scheduling, ps.credit_kb * 1024, cfg.parallel.timeout_s,
                     delay_s=lag_s if rank == lag_rank else 0.0)
     worker.clock = start_step
-    windows = TokenWindows(corpus.train_path, cfg.data.seq_len)
-    val_windows = TokenWindows(corpus.val_path, cfg.data.seq_len)
+    windows = objective_windows(cfg, corpus, "train")  # next-token windows, masked windows (mlm) or labelled ones
+    val_windows = objective_windows(cfg, corpus, "val")
     n_workers = dist.get_world_size(worker_group)
     own_log = (run_dir / "ps" / f"worker{rank}.jsonl")
     own_log.parent.mkdir(exist_ok=True)
@@ -170,10 +175,13 @@ def _work(cfg, run_dir, model, parts, codec, sampler, corpus, worker_group, log,
         for step in range(start_step, tcfg.steps):
             t0 = time.perf_counter()
             batches = [windows.batch(ids) for ids in sampler.micro_batches(step, tcfg.micro_batch)]
-            loss, norm = worker.step(batches, tcfg.precision, asp=ps.consistency == "asp")
+            key = replica_key(tcfg.seed, step, rank, tcfg.global_batch, n_workers) if cfg.model.dropout else None
+            loss, norm = worker.step(batches, tcfg.precision, asp=ps.consistency == "asp", dropout_key=key)
             done = step + 1
             losses.append(loss)
             metrics = {"loss": loss, "lr": lr_at(step, tcfg), "grad_norm": norm, **worker.pop_metrics()}
+            if cfg.model.n_experts:  # the router's load and losses: over every worker in lock-step, else its own
+                metrics.update(router_step(model, worker_group if ps.consistency == "bsp" else None))
             if ps.consistency == "bsp":  # workers are in lock-step anyway: report the global batch's loss
                 mean = torch.tensor([loss], dtype=torch.float64)
                 protocol.wait(dist.all_reduce(mean, group=worker_group, async_op=True), cfg.parallel.timeout_s,

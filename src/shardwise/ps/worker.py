@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.dist.comm.counting import CommLedger, nbytes
+from shardwise.model.dropout import DropoutKey
 from shardwise.parallel.grad_norm import clip_grad_norm, parameter_pieces
 from shardwise.ps import protocol
 from shardwise.ps.partition import Partition, forward_order
@@ -150,18 +151,26 @@ class Worker:
 
     # ---- compute and push -----------------------------------------------------------------------
 
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str, asp: bool) -> tuple[float, float]:
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str, asp: bool,
+             dropout_key: DropoutKey | None = None) -> tuple[float, float]:
         """One clock: pull, forward/backward on ``batches`` with pushes from gradient hooks, END to every
-        server. Returns (mean loss, this worker's gradient norm)."""
+        server. Returns (mean loss, this worker's gradient norm). ``dropout_key``: that of the first micro-batch
+        (its place in the step's global batch), shifted by the sequences before each, as the engine's schedules
+        do, so the workers draw the masks one process draws."""
         self.pull(self.clock, lazy=self.lazy_pulls)
         if self.delay_s:
             time.sleep(self.delay_s)  # an injected straggler
         device = next(self.model.parameters()).device
         loss_sum = torch.zeros((), device=device)
+        done = 0
         for i, (x, y) in enumerate(batches):
             self._pushing = i == len(batches) - 1
             with autocast_context(precision, device.type):
-                loss = self.model(x, y)
+                if dropout_key is None:
+                    loss = self.model(x, y)
+                else:
+                    loss = self.model(x, y, dropout_key=dropout_key.shifted(done))
+            done += x.shape[0]
             loss_sum += loss.detach()
             self.finish_pull()  # a partition no module claimed (none today): in before its gradient
             (loss / len(batches)).backward()

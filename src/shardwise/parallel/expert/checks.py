@@ -48,9 +48,10 @@ def check(cfg: Config) -> None:
                           f"{'parallel.sequence_parallel=true' if p.sequence_parallel else f'parallel.cp={p.cp}'}: a "
                           "capacity ranks each expert's slots over the whole sequence, which is spread over ranks; "
                           "use model.moe_capacity_factor=0 (dropless)")
-    if m.n_experts and cfg.ps.servers:
-        raise ConfigError(f"model.n_experts={m.n_experts} with ps.servers={cfg.ps.servers}: the parameter "
-                          "server's workers do not add the router losses (not composed yet); use ps.servers=0")
+    if m.n_experts and cfg.ps.servers and m.moe_router == "sigmoid_bias" and cfg.ps.consistency != "bsp":
+        raise ConfigError(f"ps.consistency={cfg.ps.consistency!r} with model.moe_router='sigmoid_bias': each worker "
+                          "moves its router's balancing bias (a buffer the servers do not hold) by the load of the "
+                          "step, which the workers agree on only in lock-step; use ps.consistency='bsp'")
 
 
 def unused(cfg: Config) -> list[Unused]:

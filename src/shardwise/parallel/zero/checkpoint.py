@@ -29,6 +29,16 @@ def zero_checkpoint_pieces(engine, optimizer, with_buffers: bool, ref_map=None) 
         names.setdefault(id(t), []).append(name)
     ref_of = {id(u.params[pc.param_index]): ref for ref, u, pc, _ in optimizer._entries}
     state = optimizer.inner.state
+    streamed = engine.masters.disk is not None  # disk offload: a unit's state holds values only while resident
+
+    def snapshot(t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the host for the writer: a copy where its storage is reused once the unit leaves memory (disk
+        offload) or lives on a GPU, else the tensor itself -- a synchronous save writes it at once, and a background
+        one copies it before the next optimizer step may change it (train/ckpt_writer.py), so the training
+        thread does not copy the shard at the checkpoint step."""
+        t = t.detach().reshape(-1) if t.dim() > 0 else t.detach()
+        return t.cpu().clone() if streamed else t.cpu()
+
     pieces: list[Piece] = []
     for u in engine.units:
         entries = [(pc, m) for uu, pc, m in engine.masters.entries if uu is u]
@@ -37,7 +47,7 @@ def zero_checkpoint_pieces(engine, optimizer, with_buffers: bool, ref_map=None) 
         with engine.masters.resident(u, state):
             for pc, m in entries:
                 p = u.params[pc.param_index]
-                values = m.detach().reshape(-1).to(p.dtype).cpu().clone()
+                values = snapshot(m.to(p.dtype))
                 for name in names[id(p)]:
                     pieces += _range(f"model/{name}", values, pc.start, p)
                 for key, v in state.get(m, {}).items():
@@ -46,9 +56,9 @@ def zero_checkpoint_pieces(engine, optimizer, with_buffers: bool, ref_map=None) 
                     ref = ref_of[id(p)] if ref_map is None else ref_map(ref_of[id(p)])
                     target = f"optim/{ref}/{key}"
                     if v.dim() > 0:
-                        pieces += _range(target, v.detach().reshape(-1).cpu().clone(), pc.start, p)
+                        pieces += _range(target, snapshot(v), pc.start, p)
                     else:
-                        pieces.append(whole(target, v.detach().cpu().clone()))
+                        pieces.append(whole(target, v.detach().cpu().clone()))  # a step count: a copy costs nothing
     if with_buffers:
         params = {id(p) for u in engine.units for p in u.params}
         pieces += [whole(f"model/{name}", t.detach().cpu().clone()) for name, t in live.items() if id(t) not in params]
