@@ -95,19 +95,28 @@ def _wrap(kind: str, model: nn.Module, args):
     return model  # "plain": no gradient synchronisation (memory baseline)
 
 
-def _step(net, opt, args, rank: int, step: int) -> tuple[float, float]:
-    """One timed optimizer step; returns (seconds on the slowest rank, mean loss)."""
+def _step(net, opt, args, rank: int, step: int) -> tuple[list[float], float]:
+    """One timed optimizer step; returns ([step, forward, backward, optimizer, process CPU] seconds, each the
+    slowest rank's, and the mean loss). The CPU time is the process's, every thread (gloo's included)."""
     x, y = _batch(args, rank, step)
     dist.barrier()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     opt.zero_grad(set_to_none=True)
     loss = net(x, y)
+    t1 = time.perf_counter()
     loss.backward()
+    t2 = time.perf_counter()
     opt.step()
-    elapsed = torch.tensor([time.perf_counter() - t0, loss.item()], dtype=torch.float64)
-    dist.all_reduce(elapsed[:1], op=dist.ReduceOp.MAX)
-    dist.all_reduce(elapsed[1:])
-    return elapsed[0].item(), elapsed[1].item() / dist.get_world_size()
+    t3 = time.perf_counter()
+    c1 = time.process_time()
+    elapsed = torch.tensor([t3 - t0, t1 - t0, t2 - t1, t3 - t2, c1 - c0, loss.item()], dtype=torch.float64)
+    dist.all_reduce(elapsed[:-1], op=dist.ReduceOp.MAX)
+    dist.all_reduce(elapsed[-1:])
+    return elapsed[:-1].tolist(), elapsed[-1].item() / dist.get_world_size()
+
+
+PHASES = ("step", "forward", "backward", "optimizer", "cpu")
+"""What :func:`_step` times, in its order."""
 
 
 def _worker(rank: int, args, port: int, mode: str, queue) -> None:
@@ -127,6 +136,7 @@ def _worker(rank: int, args, port: int, mode: str, queue) -> None:
         opts[kind] = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     del base
     times = {k: [] for k in kinds}
+    phases = {k: {ph: [] for ph in PHASES[1:]} for k in kinds}
     losses = {k: [] for k in kinds}
     steps = args.warmup + (args.steps if mode == "time" else args.memory_steps)
     for step in range(steps):
@@ -135,7 +145,9 @@ def _worker(rank: int, args, port: int, mode: str, queue) -> None:
             seconds, loss = _step(nets[kind], opts[kind], args, rank, step)
             losses[kind].append(loss)
             if step >= args.warmup:
-                times[kind].append(seconds)
+                times[kind].append(seconds[0])
+                for ph, value in zip(PHASES[1:], seconds[1:], strict=True):
+                    phases[kind][ph].append(value)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)  # ru_maxrss is in KiB on Linux
     extra = {}
@@ -143,7 +155,8 @@ def _worker(rank: int, args, port: int, mode: str, queue) -> None:
         extra = {"buckets": len(nets["ours"].bucket_sizes), "comm_bytes_per_step": nets["ours"].comm_bytes_last_step,
                  "overlapped_buckets": nets["ours"].overlapped_buckets_last_step}
     if rank == 0:
-        queue.put({"model": desc, "times": times, "losses": losses, "peak_rss_mb": rss.item(), **extra})
+        queue.put({"model": desc, "times": times, "phases": phases, "losses": losses, "peak_rss_mb": rss.item(),
+                   **extra})
     shutdown_distributed()
 
 
@@ -197,6 +210,11 @@ def main(argv=None) -> dict:
     }
     if "plain" in times:
         result["plain"] = {"step_s_median": statistics.median(times["plain"]), "step_s": times["plain"]}
+    for kind, key in (("ours", "ours"), ("torch", "torch_ddp"), ("plain", "plain")):
+        if kind in run["phases"]:  # where the time goes: medians per phase, and the process's CPU time
+            result[key]["phase_s_median"] = {ph: statistics.median(v) for ph, v in run["phases"][kind].items()}
+    result["ratio_cpu_time_paired_median"] = statistics.median(
+        a / b for a, b in zip(run["phases"]["ours"]["cpu"], run["phases"]["torch"]["cpu"], strict=True))
     if args.memory_steps:
         for kind, key in (("plain", "plain"), ("ours", "ours"), ("torch", "torch_ddp")):
             mem = _launch(args, kind)["peak_rss_mb"]
@@ -226,6 +244,11 @@ def _print_table(r: dict, out: Path) -> None:
     if "ratio_peak_rss" in r:
         line += f", peak RSS {r['ratio_peak_rss']:.3f}"
     print(line + f"; max loss difference {r['max_loss_difference']:.2e}; written to {out}")
+    for label, key in (("ours", "ours"), ("torch DDP", "torch_ddp"), ("no sync", "plain")):
+        if "phase_s_median" in r.get(key, {}):
+            print(f"  {label:10} median s: " + ", ".join(f"{ph} {v:.4f}" for ph, v in r[key]["phase_s_median"].items()))
+    print(f"  CPU time (process, all threads) ours/torch, median of per-step ratios: "
+          f"{r['ratio_cpu_time_paired_median']:.3f}")
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def _rank_world():
 
 
 def _compare_with_torch_ddp(kind: str, bucket_mb: float, unused: str = "none", steps: int = 3,
-                            set_to_none: bool = True):
+                            set_to_none: bool = True, last_bucket_mb: float | None = None):
     """Run ours and torch DDP side by side on identical replicas and data; return the largest grad difference.
 
     unused: "none"; "all" (MLP.spare never used); "rank1" (fc2 skipped on rank 1 only).
@@ -123,7 +123,7 @@ def _compare_with_torch_ddp(kind: str, bucket_mb: float, unused: str = "none", s
     spare = {"spare": True} if unused == "all" else {}
     ours_model = build(kind, **spare)
     ref_model = copy.deepcopy(ours_model)
-    ours = DataParallel(ours_model, bucket_mb=bucket_mb)
+    ours = DataParallel(ours_model, bucket_mb=bucket_mb, last_bucket_mb=last_bucket_mb)
     ref = DDP(ref_model, bucket_cap_mb=bucket_mb, find_unused_parameters=unused != "none")
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours_model, ref_model)]
     worst, none_pattern = 0.0, []
@@ -166,13 +166,40 @@ def test_tinylm_bucket_count_by_hand():
     assert int(TINY_BUCKET_MB * 2**20) == 2097
 
 
+def test_the_last_bucket_holds_only_the_gradients_that_come_last():
+    """TinyLM with a 5000-byte cap and a 3000-byte last bucket, by hand: reversed (the order backward produces
+    gradients), the sizes are 64, 64 (norm), then per layer 64, 4096, 256, 4096, 64, 64 (fc2.b, fc2.w, fc1.b,
+    fc1.w, ln.b, ln.w), then embed 2368, pos 512. Cut from the end, each bucket stops before the parameter that
+    would pass its limit: 3000 B for the last one -- pos 512 + embed 2368 + L0.ln.w 64 = 2944 (L0.ln.b would
+    make 3008) -- then 6000 capped at 5000 for every one before it: [L0.fc1.b, L0.fc1.w, L0.ln.b] 4416,
+    [L1.ln, L0.fc2] 4288, [L1.fc1] 4352, [L2.ln, L1.fc2] 4288, [L2.fc1] 4352, and what is left, [norm,
+    L2.fc2] 4288, first -- seven in all. A cap no larger than the last bucket's keeps torch DDP's cut (the
+    eight buckets above)."""
+    from shardwise.parallel.data import _assign_buckets
+
+    model = build("tinylm")
+    names = {id(p): n for n, p in model.named_parameters()}
+    buckets = _assign_buckets(list(model.parameters()), 5000, last_bytes=3000)
+    assert [names[id(p)] for p in buckets[-1]] == ["layers.0.0.weight", "embed.weight", "pos"]
+    assert [names[id(p)] for p in buckets[-2]] == ["layers.0.1.bias", "layers.0.1.weight", "layers.0.0.bias"]
+    assert [names[id(p)] for p in buckets[0]] == ["norm.bias", "norm.weight", "layers.2.3.bias", "layers.2.3.weight"]
+    assert [sum(p.numel() * p.element_size() for p in b) for b in buckets] == [4288, 4352, 4288, 4352, 4288,
+                                                                               4416, 2944]
+    assert sum(len(b) for b in buckets) == len(names)
+    assert len(_assign_buckets(list(model.parameters()), 2097, last_bytes=1 << 20)) == TINYLM_SMALL_BUCKETS
+    assert len(_assign_buckets(list(model.parameters()), 2097)) == TINYLM_SMALL_BUCKETS  # the default
+
+
 @pytest.mark.parametrize(
-    "kind, bucket_mb, set_to_none, expected_buckets",
-    [("mlp", 25.0, True, 1), ("tinylm", 25.0, True, 1), ("tinylm", TINY_BUCKET_MB, True, TINYLM_SMALL_BUCKETS),
-     ("tinylm", TINY_BUCKET_MB, False, TINYLM_SMALL_BUCKETS)],
+    "kind, bucket_mb, set_to_none, expected_buckets, last_bucket_mb",
+    [("mlp", 25.0, True, 1, None), ("tinylm", 25.0, True, 1, None),
+     ("tinylm", TINY_BUCKET_MB, True, TINYLM_SMALL_BUCKETS, None),
+     ("tinylm", TINY_BUCKET_MB, False, TINYLM_SMALL_BUCKETS, None),
+     ("tinylm", 5000 / 2**20, True, 7, 3000 / 2**20)],  # the cut counted by hand above
 )
-def test_gradients_equal_torch_ddp(kind, bucket_mb, set_to_none, expected_buckets):
-    results = run_on_ranks(2, _compare_with_torch_ddp, kind, bucket_mb, set_to_none=set_to_none)
+def test_gradients_equal_torch_ddp(kind, bucket_mb, set_to_none, expected_buckets, last_bucket_mb):
+    results = run_on_ranks(2, _compare_with_torch_ddp, kind, bucket_mb, set_to_none=set_to_none,
+                           last_bucket_mb=last_bucket_mb)
     for worst, nones, n_buckets in results:
         assert worst == 0.0  # same arithmetic: divide by 2 (exact) and a two-term sum
         assert nones == []

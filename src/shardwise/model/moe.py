@@ -5,7 +5,8 @@ block's output is the sum of those experts' outputs weighted by their router pro
 (Shazeer et al. 2017, "Outrageously Large Neural Networks", §2; Fedus et al. 2022, "Switch
 Transformers", eq. 1-2; Jiang et al. 2024, "Mixtral of Experts", §2.1). Experts are the flavour's
 MLP (GELU for gpt2, exact GELU for bert, SwiGLU for llama); ``shared`` experts, which every token passes
-through, are one MLP of ``n_shared * d_ff`` width (Dai et al. 2024, "DeepSeekMoE", §3.2: shared experts concatenated).
+through, are one MLP of ``n_shared * d_ff`` width (Dai et al. 2024, "DeepSeekMoE", §3.2: shared experts
+concatenated).
 
 Routing, exactly (:func:`assign`): the router (:mod:`shardwise.model.router`: ``softmax``, ``softmax_renorm``
 or ``sigmoid_bias``) gives each token its k experts in order of preference and their gates; then
@@ -43,6 +44,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.model.expert_matmul import (
+    KERNELS,
+    Capability,
+    ExpertRows,
+    batched_linear,
+    dense_grad,
+    grouped_linear,
+    pick,
+)
 from shardwise.model.layers import GeluMLP, SwiGLU
 from shardwise.model.router import Router
 
@@ -70,7 +80,16 @@ class ExpertLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(n, d_out)) if bias else None
 
     def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert ``e`` alone on its rows ``x``."""
         return F.linear(x, self.weight[e], None if self.bias is None else self.bias[e])
+
+    def grouped(self, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+        """Every expert on its run of the expert-sorted rows ``x``, in one grouped GEMM."""
+        return grouped_linear(x, self.weight, self.bias, rows)
+
+    def batched(self, x: torch.Tensor) -> torch.Tensor:
+        """Every expert on its padded rows ``x [E, C, in]``, in one batched matmul."""
+        return batched_linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         n, out, d_in = self.weight.shape
@@ -78,11 +97,18 @@ class ExpertLinear(nn.Module):
 
 
 class Experts(nn.Module):
-    """``n`` feed-forward experts of the flavour's kind, run expert-major on sorted tokens."""
+    """``n`` feed-forward experts of the flavour's kind, run expert-major on sorted tokens.
 
-    def __init__(self, n: int, d_model: int, d_ff: int, flavor: str):
+    ``kernel`` (:data:`~shardwise.model.expert_matmul.KERNELS`): how the experts' matmuls run -- ``auto`` (one
+    grouped GEMM where the device offers it, else a padded batched matmul when the load is even, else a loop
+    over experts; :mod:`shardwise.model.expert_matmul`), or one of them by name."""
+
+    def __init__(self, n: int, d_model: int, d_ff: int, flavor: str, kernel: str = "auto"):
         super().__init__()
-        self.n_local, self.flavor = n, flavor
+        if kernel not in KERNELS:
+            raise ValueError(f"expert kernel {kernel!r} is not valid; use one of {', '.join(KERNELS)}")
+        self.n_local, self.flavor, self.kernel, self.widths = n, flavor, kernel, (d_model, d_ff)
+        self.capability = Capability()
         self.gelu = {"gpt2": "tanh", "bert": "none"}.get(flavor)
         """The GELU of a GELU-MLP flavour (gpt2's tanh approximation, bert's exact erf), or None: SwiGLU."""
         if self.gelu is not None:
@@ -93,17 +119,32 @@ class Experts(nn.Module):
             self.up_proj = ExpertLinear(n, d_model, d_ff, bias=False)
             self.down_proj = ExpertLinear(n, d_ff, d_model, bias=False)
 
+    def mlp(self, x: torch.Tensor, linear) -> torch.Tensor:
+        """The flavour's MLP on ``x`` with ``linear(layer, h)`` applying one :class:`ExpertLinear`."""
+        if self.gelu is not None:
+            return linear(self.fc_out, F.gelu(linear(self.fc_in, x), approximate=self.gelu))
+        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` (a local index) on tokens ``x [n, d_model]``."""
-        if self.gelu is not None:
-            return self.fc_out(F.gelu(self.fc_in(x, e), approximate=self.gelu), e)
-        return self.down_proj(F.silu(self.gate_proj(x, e)) * self.up_proj(x, e), e)
+        return self.mlp(x, lambda layer, h: layer(h, e))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Tokens ``x`` sorted by expert, ``counts[e]`` of them for expert ``e``: the outputs in the same order.
-        Every expert runs, on no tokens too, so every weight is in the graph whatever the routing: its
-        gradient (zero) and the hooks on it come in every backward."""
-        return torch.cat([self.expert(e, chunk) for e, chunk in enumerate(x.split(counts))])
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """Tokens ``x`` sorted by expert, ``counts[e]`` of them for expert ``e`` (a tensor on ``x``'s device: the
+        grouped kernel then never waits for the host): the outputs in the same order. Every expert runs, on no
+        tokens too, so every weight is in the graph whatever the routing: its gradient (zero) and the hooks on
+        it come in every backward."""
+        if not torch.is_tensor(counts):
+            counts = torch.tensor(counts, dtype=torch.int64, device=x.device)
+        rows = ExpertRows(counts, x.shape[0])
+        kernel = pick(self.kernel, self.capability, x, rows, self.widths)
+        if kernel == "grouped":
+            y = self.mlp(x, lambda layer, h: layer.grouped(h, rows))
+        elif kernel == "padded":
+            y = rows.unpad(self.mlp(rows.pad(x), lambda layer, h: layer.batched(h)))
+        else:
+            y = torch.cat([self.expert(e, chunk) for e, chunk in enumerate(x.split(counts.tolist()))])
+        return dense_grad(y)
 
 
 @dataclass
@@ -128,6 +169,13 @@ def route(probs: torch.Tensor, top_k: int, capacity_factor: float) -> Routing:
     return assign(experts, gates, probs.shape[1], capacity_factor)
 
 
+def count_per_expert(expert: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """``[E]`` int64: how many entries of ``expert`` name each expert (``bincount`` of a known length, by a
+    scatter-add: ``bincount``'s length depends on the data, so it reads the maximum on the host)."""
+    return torch.zeros(n_experts, dtype=torch.int64, device=expert.device).index_add_(
+        0, expert, torch.ones_like(expert))
+
+
 def assign(experts: torch.Tensor, gates: torch.Tensor, n_experts: int, capacity_factor: float) -> Routing:
     """The slots of each token's choices ``experts [N, k]`` (gates ``[N, k]``) with capacity drops, exactly as the
     module docstring says."""
@@ -136,7 +184,7 @@ def assign(experts: torch.Tensor, gates: torch.Tensor, n_experts: int, capacity_
     slot_expert = experts.t().reshape(-1)  # choice-major: slot j*N + t
     slot_gate = gates.t().reshape(-1)
     slot_token = torch.arange(n, device=experts.device).repeat(top_k)
-    routed = torch.bincount(slot_expert, minlength=e)
+    routed = count_per_expert(slot_expert, e)
     cap = capacity(n, top_k, e, capacity_factor)
     if cap is not None:
         onehot = F.one_hot(slot_expert, e)
@@ -144,7 +192,7 @@ def assign(experts: torch.Tensor, gates: torch.Tensor, n_experts: int, capacity_
         keep = position < cap
         slot_expert, slot_gate, slot_token = slot_expert[keep], slot_gate[keep], slot_token[keep]
     order = torch.sort(slot_expert, stable=True).indices
-    counts = torch.bincount(slot_expert, minlength=e)
+    counts = count_per_expert(slot_expert, e)
     return Routing(slot_token[order], slot_gate[order], counts, routed, int(n * top_k - slot_expert.numel()))
 
 
@@ -170,20 +218,19 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 
 class MoEStats:
     """Per-step sums of what the router did (training forwards only), popped once per step. Every field is a
-    sum, so the sums of several ranks' tokens (data-, context-parallel) add up to the global batch's."""
+    sum, so the sums of several ranks' tokens (data-, context-parallel) add up to the global batch's. The sums
+    stay on the router's device until :func:`pop_moe_totals` reads them, once per step: a forward never waits
+    for the host."""
 
     def __init__(self, n_experts: int):
         self.n_experts = n_experts
         self.reset()
 
     def reset(self) -> None:
-        e = self.n_experts
-        self.kept = torch.zeros(e, dtype=torch.float64, device="cpu")
-        """Slots each expert computed (after capacity drops)."""
-        self.routed = torch.zeros(e, dtype=torch.float64, device="cpu")
-        """Slots the router sent to each expert (before drops): the load, Switch's ``f_i`` times the slots."""
-        self.prob_sum = torch.zeros(e, dtype=torch.float64, device="cpu")
-        """Each expert's router probability summed over tokens: Switch's ``P_i`` times the tokens."""
+        self.sums: torch.Tensor | None = None
+        """``[3, E]`` fp64 on the router's device: per expert the slots it computed (after capacity drops), the
+        slots the router sent it (before drops: the load, Switch's ``f_i`` times the slots) and its router
+        probability summed over tokens (Switch's ``P_i`` times the tokens); ``None`` before the first forward."""
         self.tokens = self.dropped = 0
         self.aux: list[torch.Tensor] = []
         self.z: list[torch.Tensor] = []
@@ -193,17 +240,13 @@ class MoEStats:
         return len(self.aux)
 
     def add(self, routing: Routing, probs: torch.Tensor, aux: torch.Tensor, z: torch.Tensor) -> None:
-        self.kept += routing.counts.detach().double().cpu()
-        self.routed += routing.routed.detach().double().cpu()
-        self.prob_sum += probs.detach().double().sum(0).cpu()
+        step = torch.stack([routing.counts.detach().double(), routing.routed.detach().double(),
+                            probs.detach().double().sum(0)])
+        self.sums = step if self.sums is None else self.sums + step
         self.tokens += probs.shape[0]
         self.dropped += routing.dropped
         self.aux.append(aux.detach())
         self.z.append(z.detach())
-
-    def totals(self) -> tuple[float, float]:
-        """The summed unweighted aux and z losses."""
-        return (float(torch.stack(self.aux).sum()), float(torch.stack(self.z).sum())) if self.aux else (0.0, 0.0)
 
 
 class MoE(nn.Module):
@@ -240,7 +283,7 @@ class MoE(nn.Module):
         logits = self.router(h)
         experts, gates, probs = self.router.choose(logits, self.top_k)
         routing = assign(experts, gates, self.n_experts, self.capacity_factor)
-        y = self.experts(h[routing.token], routing.counts.tolist())
+        y = self.experts(h.index_select(0, routing.token), routing.counts)  # backward: an index_add, not index_put
         out = combine(y, routing, h.shape[0]).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared(h)
@@ -302,14 +345,19 @@ class RouterTotals:
 
 
 def pop_moe_totals(model: nn.Module) -> RouterTotals | None:
-    """This step's router sums over every MoE block of ``model`` (reset afterwards); ``None`` without MoE blocks."""
+    """This step's router sums over every MoE block of ``model`` (reset afterwards); ``None`` without MoE blocks.
+    The one place the sums leave the device: one copy to the host per step."""
     layers = moe_layers(model)
     if not layers:
         return None
-    losses = [m.stats.totals() for m in layers]
-    counts = torch.stack([torch.stack([m.stats.kept, m.stats.routed, m.stats.prob_sum]) for m in layers])
+    device = next((m.stats.sums.device for m in layers if m.stats.sums is not None), torch.device("cpu"))
+    per_layer = [m.stats.sums if m.stats.sums is not None else
+                 torch.zeros(3, m.n_experts, dtype=torch.float64, device=device) for m in layers]
+    losses = [torch.stack([t.double() for t in m.stats.aux + m.stats.z]).view(2, -1).sum(1) if m.stats.aux else
+              torch.zeros(2, dtype=torch.float64, device=device) for m in layers]
+    counts, losses = torch.stack(per_layer).cpu(), torch.stack(losses).sum(0).cpu()
     tail = torch.tensor([sum(m.stats.tokens for m in layers), float(counts[:, 1].sum()),
-                         sum(m.stats.dropped for m in layers), sum(a for a, _ in losses), sum(z for _, z in losses),
+                         sum(m.stats.dropped for m in layers), float(losses[0]), float(losses[1]),
                          sum(m.stats.calls for m in layers)], dtype=torch.float64)
     for m in layers:
         m.stats.reset()

@@ -5,12 +5,14 @@ For each algorithm and message size it reports the time, the algorithm bandwidth
 (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md): all-reduce
 ``busbw = algbw * 2(N-1)/N``; reduce-scatter, all-gather, all-to-all, gather, scatter
 ``* (N-1)/N``; broadcast, reduce ``* 1``; the cost model's prediction and its error; and the
-ratio of busbw to native's, measured interleaved with it (A B A B ...; "native beside" is
-that native time, the "native" row the median of them). "auto" is timed as it really runs, beside
-native like the others: for all-reduce the trainer's own :class:`.compress.GradientAllReduce` with
-``algorithm="auto"`` (its calibration in the warm-up call, then the cost model's pick per size and
-the dispatch on every call); for the other collectives the calibrated model's ``choose`` and the
-chosen algorithm, on every call. Times are the best of ``--reps`` (the slowest rank's).
+ratio of busbw to native's, measured interleaved with it (A B, B A, ...; "native beside" is
+that native time, the "native" row the median of them), by best times and as the median of the
+per-repetition ratios ("paired median", the steadier of the two on a shared machine). "auto" is
+timed as it really runs, beside native like the others: for all-reduce the trainer's own
+:class:`.compress.GradientAllReduce` with ``algorithm="auto"`` (its calibration in the warm-up
+call, then the cost model's pick per size and the dispatch on every call); for the other
+collectives the calibrated model's ``choose`` and the chosen algorithm, on every call. Times are
+the best of ``--reps`` (the slowest rank's).
 
     shardwise bench comm --collective all_reduce --sizes 4K,1M,16M,64M --nproc 4 --json out.json --plot out.png
 """
@@ -84,25 +86,30 @@ def _auto_closure(collective: str, nbytes: int, model, n: int, local_world_size:
     return run_chosen, lambda: next(iter(chosen))
 
 
-def _measure(fns: list, reps: int, group) -> list[float]:
-    """Best-of-``reps`` seconds of each closure (the slowest rank's), after one warm-up each.
+def _measure(fns: list, reps: int, group) -> tuple[list[float], float]:
+    """Best-of-``reps`` seconds of each closure (the slowest rank's), after one warm-up each, and the median over
+    the repetitions of ``time(first) / time(last)`` -- of native against the other, its ratio to native.
 
-    The closures run interleaved (A B A B ...), so that drift on a shared machine hits
-    ours and the baseline alike and their ratio stays meaningful; the minimum, not the mean,
-    because on a shared machine noise only ever adds time.
+    The closures run interleaved, the order reversed every repetition (A B, B A, ...), so that drift on a shared
+    machine, and whatever the call just before leaves behind, hit ours and the baseline alike; the minimum,
+    because on a shared machine noise only ever adds time; the paired median, because a best-of-N of two
+    equal calls still differs by the luck of one sample (two runs of "auto -> native" against native gave
+    0.73-1.37 by minima on the loaded machine).
     """
     for fn in fns:
         fn()
     samples: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, out in zip(fns, samples, strict=True):
+    for rep in range(reps):
+        order = list(range(len(fns))) if rep % 2 == 0 else list(reversed(range(len(fns))))
+        for i in order:
             dist.barrier(group=group)
             t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-    t = torch.tensor([min(s) for s in samples], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
+            fns[i]()
+            samples[i].append(time.perf_counter() - t0)
+    per_rep = torch.tensor(samples, dtype=torch.float64)  # [fns, reps]
+    dist.all_reduce(per_rep, op=dist.ReduceOp.MAX, group=group)  # each repetition's slowest rank
+    paired = float((per_rep[0] / per_rep[-1]).median())
+    return per_rep.min(dim=1).values.tolist(), paired
 
 
 def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace, out_path: str) -> None:
@@ -121,33 +128,34 @@ def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace, out_path
     rows, picks = [], {}
     for size in sizes:
         native = run_collective(coll, "native", size, None, nproc)
-        timed: dict[str, tuple[float, float]] = {}  # algorithm -> (its time, native's time beside it)
+        timed: dict[str, tuple[float, float, float]] = {}  # algorithm -> (its time, native's beside, paired)
         for alg in algs:
             if alg == "auto":
                 fn, pick = _auto_closure(coll, size, model, nproc)
-                t_native, t = _measure([native, fn], args.reps, None)
+                (t_native, t), paired = _measure([native, fn], args.reps, None)
                 picks[size] = pick()
-                timed["auto"] = (t, t_native)
+                timed["auto"] = (t, t_native, paired)
                 continue
             real = alg
             if real not in timed:
                 if real == "native":
-                    (t,) = _measure([native], args.reps, None)
-                    timed[real] = (t, t)
+                    (t,), _ = _measure([native], args.reps, None)
+                    timed[real] = (t, t, 1.0)
                 else:
-                    t_native, t = _measure([native, run_collective(coll, real, size, None, nproc)], args.reps, None)
-                    timed[real] = (t, t_native)
-        natives = [tn for _, tn in timed.values()]
-        timed["native"] = (statistics.median(natives), statistics.median(natives))
+                    closure = run_collective(coll, real, size, None, nproc)
+                    (t_native, t), paired = _measure([native, closure], args.reps, None)
+                    timed[real] = (t, t_native, paired)
+        natives = [tn for _, tn, _ in timed.values()]
+        timed["native"] = (statistics.median(natives), statistics.median(natives), 1.0)
         for alg in ["native", *algs]:
             real = picks[size] if alg == "auto" else alg
-            t, t_native = timed[alg if alg == "auto" else real]
+            t, t_native, paired = timed[alg if alg == "auto" else real]
             pred = model.predict(coll, real, size)
             algbw = size / t / 1e9
             rows.append({"size": size, "algorithm": alg, "chosen": real, "time_us": t * 1e6, "algbw_GBps": algbw,
                          "busbw_GBps": algbw * BUS_FACTOR[coll](nproc), "predicted_us": pred * 1e6,
                          "prediction_error": pred / t - 1, "native_beside_us": t_native * 1e6,
-                         "ratio_to_native": t_native / t})
+                         "ratio_to_native": t_native / t, "paired_ratio_to_native": paired})
     if rank == 0:
         result = {"collective": coll, "nproc": nproc, "backend": "gloo", "reps": args.reps,
                   "model": {"alpha_s": model.alpha, "beta_s_per_byte": model.beta, "gamma_s_per_byte": model.gamma,
@@ -170,12 +178,13 @@ def _human(n: int) -> str:
 def table(result: dict) -> str:
     """The human-readable (markdown) table of one benchmark result."""
     lines = [f"{result['collective']} on {result['nproc']} gloo ranks (best of {result['reps']})", "",
-             "| size | algorithm | time (us) | busbw (GB/s) | native beside (us) | x native busbw | predicted (us) "
-             "| pred. error |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| size | algorithm | time (us) | busbw (GB/s) | native beside (us) | x native busbw | paired median "
+             "| predicted (us) | pred. error |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         alg = r["algorithm"] + (f" -> {r['chosen']}" if r["algorithm"] == "auto" else "")
         lines.append(f"| {_human(r['size'])} | {alg} | {r['time_us']:.0f} | {r['busbw_GBps']:.3f} | "
-                     f"{r['native_beside_us']:.0f} | {r['ratio_to_native']:.2f} | {r['predicted_us']:.0f} | "
+                     f"{r['native_beside_us']:.0f} | {r['ratio_to_native']:.2f} | "
+                     f"{r.get('paired_ratio_to_native', float('nan')):.2f} | {r['predicted_us']:.0f} | "
                      f"{r['prediction_error']:+.0%} |")
     return "\n".join(lines)
 

@@ -77,6 +77,7 @@ class ExpertParallel(Experts):
         self.group, self.stats, self.algorithm, self.timeout_s = group, stats, algorithm, timeout_s
         self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.n_experts, self.flavor, self.gelu = experts.n_local, experts.flavor, experts.gelu
+        self.kernel, self.capability, self.widths = experts.kernel, experts.capability, experts.widths
         if self.n_experts % self.ep:
             raise ValueError(f"parallel.ep={self.ep} does not divide model.n_experts={self.n_experts}")
         self.n_local = self.n_experts // self.ep
@@ -95,9 +96,9 @@ class ExpertParallel(Experts):
                 local.bias = None
             setattr(self, name, local)
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
         ep, n_local = self.ep, self.n_local
-        sent = torch.tensor(counts, dtype=torch.int64, device=x.device)
+        sent = torch.as_tensor(counts, dtype=torch.int64, device=x.device).clone()
         got = torch.empty_like(sent)  # got[i * n_local + e]: tokens rank i sends to local expert e
         all_to_all(got, sent, self.group, self.algorithm, verify=False, timeout_s=self.timeout_s, stats=self.stats)
         got = got.view(ep, n_local).cpu()
@@ -105,11 +106,11 @@ class ExpertParallel(Experts):
         out_splits = got.sum(1).tolist()
         arrived = dispatch(x, out_splits, in_splits, self.group, self.algorithm, self.stats, self.timeout_s)
         perm = _expert_major(got)
-        y = super().forward(arrived[perm.to(arrived.device)], got.sum(0).tolist())  # in the graph with no tokens too
+        y = super().forward(arrived.index_select(0, perm.to(arrived.device)), got.sum(0).to(x.device))  # also none
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel())
-        return dispatch(y[back.to(y.device)], in_splits, out_splits, self.group, self.algorithm, self.stats,
-                        self.timeout_s)
+        return dispatch(y.index_select(0, back.to(y.device)), in_splits, out_splits, self.group, self.algorithm,
+                        self.stats, self.timeout_s)
 
     def extra_repr(self) -> str:
         start = self.rank * self.n_local

@@ -289,7 +289,7 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, PipelineFlush, nn.Module):
         if stage < 3:
             cap = max(int(bucket_mb * 2**20), 1)
             ids = {id(p): (n, p) for n, p in named}
-            buckets = _assign_buckets([p for _, p in named], cap, kind=self._is_expert)
+            buckets = _assign_buckets([p for _, p in named], cap, kind=self._is_expert)  # torch DDP's cut
             return [[ids[id(p)] for p in b] for b in buckets]
         if unit_modules is None:  # a unit never spans two chunks: they run at different times
             unit_modules = [unit for blocks in map(_blocks_of, self.chunks)
