@@ -43,9 +43,12 @@ def reset_buffers(part: nn.Module) -> None:
 
 
 @torch.no_grad()
-def materialize_parameters(part: nn.Module, model_cfg, seed: int, device: torch.device) -> int:
+def materialize_parameters(part: nn.Module, model_cfg, seed: int, device: torch.device, values: bool = True) -> int:
     """Give every parameter of ``part`` still on the meta device its value: this rank's rows (per its
-    ``ep_shard`` / ``tp_shard``) of the single-process initial value; returns how many were materialised."""
+    ``ep_shard`` / ``tp_shard``) of the single-process initial value; returns how many were materialised.
+    ``values`` False (a pretrained model is loaded over them at once: ``model.init_from``): the pieces are
+    allocated and left uninitialised, so no rank computes the full initial value of a tensor it holds a slice of
+    (the loader refuses a state that misses any of them)."""
     from shardwise.model.transformer import initial_value
     from shardwise.parallel.tensor.state import shard_info
 
@@ -55,13 +58,17 @@ def materialize_parameters(part: nn.Module, model_cfg, seed: int, device: torch.
         if id(p) in done or not p.is_meta:
             continue
         done.add(id(p))
-        info = shard_info(p)
-        full_shape = tuple(info.full_shape) if info is not None else tuple(p.shape)
-        value = initial_value(names[_canonical(name)], full_shape, seed, init_std=model_cfg.init_std,
-                              n_layers=model_cfg.n_layers)
-        if info is not None and info.dim is not None:
-            value = info.take(value, p.shape[info.dim])
-        new = nn.Parameter(value.to(device=device, dtype=p.dtype), requires_grad=p.requires_grad)
+        if values:
+            info = shard_info(p)
+            full_shape = tuple(info.full_shape) if info is not None else tuple(p.shape)
+            value = initial_value(names[_canonical(name)], full_shape, seed, init_std=model_cfg.init_std,
+                                  n_layers=model_cfg.n_layers)
+            if info is not None and info.dim is not None:
+                value = info.take(value, p.shape[info.dim])
+            value = value.to(device=device, dtype=p.dtype)
+        else:
+            value = torch.empty(p.shape, device=device, dtype=p.dtype)
+        new = nn.Parameter(value, requires_grad=p.requires_grad)
         new.__dict__.update(p.__dict__)  # swap_tensors exchanges the attribute dicts too: keep the metadata
         hooks = list((p._backward_hooks or {}).values())
         torch.utils.swap_tensors(p, new)

@@ -118,7 +118,7 @@ class Engine:
         for part in self.parts:
             parallelize(part, mesh, cfg, self.ledger)
             if self._cut_on_meta:  # tp / ep cut a meta part: now allocate only this rank's pieces
-                materialize_parameters(part, cfg.model, cfg.train.seed, device)
+                materialize_parameters(part, cfg.model, cfg.train.seed, device, values=not cfg.model.init_from)
         self.module = self.parts[0] if len(self.parts) == 1 else StageChunks(self.parts)
         """What the data-parallel wrapper holds: the one part, or this rank's interleaved chunks (under their
         single-process names)."""
