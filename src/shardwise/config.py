@@ -399,8 +399,10 @@ class Config:
         return cfg
 
     @classmethod
-    def load(cls, path: str | os.PathLike | None = None, overrides: dict[str, str] | None = None) -> Config:
-        """Read a TOML file (if given), then apply ``{"section.key": "text value"}`` overrides."""
+    def load(cls, path: str | os.PathLike | None = None, overrides: dict[str, str] | None = None,
+             other_tables: tuple[str, ...] = ()) -> Config:
+        """Read a TOML file (if given), then apply ``{"section.key": "text value"}`` overrides. ``other_tables``:
+        top-level tables of the file that belong to a command, not to the config tree (e.g. the planner's)."""
         tree: dict[str, Any] = {}
         if path is not None:
             p = Path(path)
@@ -410,7 +412,7 @@ class Config:
                 tree = tomllib.loads(p.read_text())
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
-        cfg = cls.from_dict(tree)
+        cfg = cls.from_dict({k: v for k, v in tree.items() if k not in other_tables})
         for dotted, text in (overrides or {}).items():
             cfg.set_text(dotted, text)
         return cfg

@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import tomllib
-
-from shardwise.config import Config, ConfigError
+from shardwise.config import Config
 from shardwise.config_resolve import resolve
 from shardwise.parallel.pipeline.schedules import B, F, W, compute_order
 from shardwise.plan.spec import resolved_model
@@ -35,19 +32,7 @@ from shardwise.train.flops import training_flops_per_token
 def read_config(path: str | None, overrides: dict[str, str]) -> Config:
     """The config tree of a file and overrides; a file's planner tables (``[plan]``, ``[cluster]``, ``[sim]``)
     are the commands' own options, not config fields."""
-    tree = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            tree = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
-    cfg = Config.from_dict({k: v for k, v in tree.items() if k not in ("plan", "cluster", "sim")})
-    for dotted, text in overrides.items():
-        cfg.set_text(dotted, text)
-    return cfg
+    return Config.load(path, overrides, other_tables=("plan", "cluster", "sim"))
 
 
 def load_config(path: str | None, overrides: dict[str, str], hw: SimHardware) -> Config:
