@@ -28,6 +28,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "default_compile.json"
+sys.path.insert(0, str(REPO / "bench"))
+from trainer_bench import write_json  # noqa: E402
+
 VARIANTS = {"eager": [], "compile": ["--train.compile", "true"]}
 
 
@@ -71,11 +74,7 @@ def main(argv=None) -> dict:
               "load_average_at_end": os.getloadavg(), "runs": runs, "median_wall_s": wall,
               "ratio_compile_over_eager": wall["compile"] / wall["eager"]}
     print(f"compile / eager, whole run: {result['ratio_compile_over_eager']:.3f}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp_json = args.json.with_suffix(".tmp")
-    tmp_json.write_text(json.dumps(result, indent=1) + "\n")
-    tmp_json.replace(args.json)
-    print(f"wrote {args.json}")
+    write_json(args.json, result)
     return result
 
 

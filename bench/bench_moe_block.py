@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import statistics
 import sys
@@ -37,6 +36,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "src") not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "bench"))
+from trainer_bench import write_json  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "moe_block.json"
 
@@ -180,11 +181,7 @@ def main(argv=None):
               "blocks": [compare(args, e) for e in args.experts]}
     if args.kernels:
         result["kernels"] = kernels(args)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.json.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(args.json)
-    print(f"wrote {args.json}")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import statistics
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from trainer_bench import run_trainer, trainer_config  # noqa: E402
+from trainer_bench import run_trainer, trainer_config, write_json  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "moe_step.json"
 
@@ -85,11 +84,7 @@ def main(argv=None):
               "ratio_step_time": med["moe"]["step_time_s"] / med["dense"]["step_time_s"],
               "ratio_cpu": med["moe"]["cpu_s_per_step"] / med["dense"]["cpu_s_per_step"]}
     print(f"MoE / dense: step time {result['ratio_step_time']:.3f}, cpu {result['ratio_cpu']:.3f}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp_json = args.json.with_suffix(".tmp")
-    tmp_json.write_text(json.dumps(result, indent=1))
-    tmp_json.replace(args.json)
-    print(f"wrote {args.json}")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":
