@@ -31,6 +31,7 @@ FEATURES: dict[str, dict] = {
     "cp 2 ulysses": {"parallel.cp": 2, "parallel.cp_algorithm": "ulysses"},
     "moe": MOE,
     "moe + ep 2": {**MOE, "parallel.ep": 2},
+    "moe + etp 2 (tp 2)": {**MOE, "parallel.tp": 2, "parallel.etp": 2},
     "zero 1": {"parallel.zero": 1},
     "zero 2": {"parallel.zero": 2},
     "zero 3": {"parallel.zero": 3},

@@ -65,9 +65,11 @@ def test_llama_experts_with_shared_expert_ep2(tmp_path, cache_dir):
     assert_same_training(ep, ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("nproc,dp,overrides", [(2, 2, {}), (4, 2, {"parallel.tp": 2}), (4, 4, {"parallel.zero": 1}),
-                                                 (4, 4, {"parallel.zero": 3})],
-                         ids=["ep2", "ep2-tp2", "ep2-dp4-zero1", "ep2-dp4-zero3"])
+@pytest.mark.parametrize("nproc,dp,overrides", [
+    (2, 2, {}), (4, 2, {"parallel.tp": 2}), (4, 4, {"parallel.zero": 1}), (4, 4, {"parallel.zero": 3}),
+    # experts split over tp as well: pieces of two splits (ep rows of tp columns), and ZeRO-1 slices of them
+    (4, 2, {"parallel.tp": 2, "parallel.etp": 2, "parallel.zero": 1}),
+], ids=["ep2", "ep2-tp2", "ep2-dp4-zero1", "ep2-dp4-zero3", "ep2-tp2-etp2-zero1"])
 def test_ep2_checkpoint_resumes_on_one_process(reference, tmp_path, cache_dir, nproc, dp, overrides):
     """Checkpoints hold the single-process state: an ep-2 run stopped after 2 steps goes on in one process
     (with ZeRO-1 every rank writes its slices: dense ones of the dp group's, its experts' of the edp group's)."""
@@ -109,7 +111,8 @@ def read_metrics(run_dir):
     {"parallel.zero": 1},
     {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
     {"parallel.cp": 2},
-], ids=["dp", "zero1", "tp2-sp", "cp2"])
+    {"parallel.tp": 2, "parallel.etp": 2},
+], ids=["dp", "zero1", "tp2-sp", "cp2", "tp2-etp2"])
 def test_ep_bytes_are_counted_where_sent(tmp_path, cache_dir, layout):
     """ep_sent_bytes per step, measured by the counting layer at each all-to-all, against the planner
     (plan --compare). Per MoE block and micro-batch a rank hands over: the n_experts int64 split sizes, its
@@ -122,7 +125,8 @@ def test_ep_bytes_are_counted_where_sent(tmp_path, cache_dir, layout):
     the data-parallel all-reduces (dense over dp, experts over their replicas), ZeRO-1's reduce-scatters and
     all-gathers and its flags, tensor parallelism's regions (attention only: a MoE block is whole on every tp
     rank) and its gradient sums (the experts' 1/ep under sequence parallelism), context parallelism's ring, and
-    the model states per rank (the vocabulary-parallel table padded to equal pieces)."""
+    the model states per rank (the vocabulary-parallel table padded to equal pieces). With each expert split over
+    tp (etp) the experts' f and g all-reduce exactly the R rows the ep bytes show arrived."""
     from shardwise.config import Config
     from shardwise.plan.compare import measured_for_run, predicted_for_run
 
@@ -138,9 +142,15 @@ def test_ep_bytes_are_counted_where_sent(tmp_path, cache_dir, layout):
     assert pred["ep_sent_bytes"] == known + layers * 2 * rows * row_bytes  # balanced routing
     received, rest = divmod(meas["ep_sent_bytes"] - known, 2 * row_bytes)
     assert rest == 0 and 0 <= received <= layers * ep * rows
-    assert pred["comm_bytes"] - pred["ep_sent_bytes"] == meas["comm_bytes"] - meas["ep_sent_bytes"]
-    for key in ("tp_sent_bytes", "cp_sent_bytes"):
-        assert pred[key] == meas.get(key, 0.0), key
+    assert pred["comm_bytes"] - pred["ep_sent_bytes"] - pred["tp_sent_bytes"] == \
+        meas["comm_bytes"] - meas["ep_sent_bytes"] - meas.get("tp_sent_bytes", 0.0)
+    if cfg.parallel.etp > 1:  # Megatron's f and g around this rank's experts: an all-reduce of the R rows each way
+        balanced = layers * 2 * rows * row_bytes
+        assert meas["tp_sent_bytes"] - (pred["tp_sent_bytes"] - balanced) == 2 * row_bytes * received
+        assert pred["cp_sent_bytes"] == meas.get("cp_sent_bytes", 0.0)
+    else:
+        for key in ("tp_sent_bytes", "cp_sent_bytes"):
+            assert pred[key] == meas.get(key, 0.0), key
     for key in ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes"):  # experts' memory per rank under ep
         assert pred[key] == meas[key], key
 
@@ -231,6 +241,11 @@ def reference6(tmp_path_factory, cache_dir):
     ("ep2-noclip", 2, {"parallel.ep": 2, "train.grad_clip": 0}),
     ("ep2-tp2-sp", 4, {"parallel.ep": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}),
     ("cp2-ep2", 4, {"parallel.cp": 2, "parallel.ep": 2}),
+    # expert tensor parallelism: every expert's hidden units split over tp, tokens replicated over tp
+    ("tp2-etp2-noclip", 4, {"parallel.tp": 2, "parallel.etp": 2, "train.grad_clip": 0}),
+    # ... with sequence parallelism (each tp rank's routed rows gathered over tp), experts over ep 2 and ZeRO-3
+    ("ep2-tp2-etp2-sp-zero3", 4, {"parallel.ep": 2, "parallel.tp": 2, "parallel.etp": 2,
+                                  "parallel.sequence_parallel": True, "parallel.zero": 3}),
     ("cp2-ep2-ulysses-noclip", 4, {"parallel.cp": 2, "parallel.ep": 2, "parallel.cp_algorithm": "ulysses",
                                    "train.grad_clip": 0}),
     # ZeRO-3 with hpZ: dense units keep secondary partitions over 2 consecutive dp x cp ranks; expert units,

@@ -239,7 +239,8 @@ class ParallelConfig:
     dp: int | None = None
     """Data-parallel size; default world size / (tp * pp * cp)."""
     tp: int = 1
-    """Tensor-parallel size (not implemented yet: must be 1)."""
+    """Tensor-parallel size (shardwise.parallel.tensor): heads, the MLP width and the vocabulary split over tp
+    ranks (Megatron-LM); with sequence_parallel also the sequence outside those regions."""
     pp: int = 1
     """Pipeline-parallel stages (shardwise.parallel.pipeline); the model's blocks are split among them."""
     cp: int = 1
@@ -253,6 +254,10 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size (shardwise.parallel.expert): experts split over runs of ep data-parallel ranks;
     must divide model.n_experts and parallel.dp."""
+    etp: int = 1
+    """Expert tensor parallelism (shardwise.parallel.expert.tensor): 1 keeps every expert whole on each tp rank;
+    parallel.tp splits each expert's hidden units over the tp ranks, as Megatron-Core's expert tensor parallel
+    size (other values, Megatron's "parallel folding", are not built)."""
     zero: int = 0
     """ZeRO stage (Rajbhandari et al. 2020): 0 = plain data parallel, 1 = shard optimizer states,
     2 = also gradients, 3 = also parameters (shardwise.parallel.zero)."""

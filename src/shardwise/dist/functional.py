@@ -12,6 +12,8 @@ function                   forward                     backward
 ``split_last_dim``         split, last dim             all-gather, last dim
 ``gather_seq``             all-gather, dim 1           reduce-scatter, dim 1
 ``reduce_scatter_seq``     reduce-scatter, dim 1       all-gather, dim 1
+``gather_rows``            all-gather, dim 0           reduce-scatter, dim 0
+``reduce_scatter_rows``    reduce-scatter, dim 0       all-gather, dim 0
 =========================  ==========================  ==========================
 
 f and g are the conjugate pair of Shoeybi et al. 2019, "Megatron-LM", §3 and Fig. 3: f enters a
@@ -228,6 +230,22 @@ def reduce_scatter_seq(x: torch.Tensor, group, stats: CommStats | None = None) -
     return _ReduceScatterGather.apply(x, SEQ_DIM, group, stats)
 
 
+def gather_rows(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
+    """The ranks' ``[n, ...]`` pieces stacked along dim 0 into ``[ranks * n, ...]`` (forward); backward
+    reduce-scatters the gradient. E.g. tokens every rank of a tensor-parallel group computes on."""
+    if _size(group) == 1:
+        return x
+    return _GatherReduceScatter.apply(x, 0, group, stats)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
+    """The sum over ranks of ``[ranks * n, ...]`` partial results, this rank's ``[n, ...]`` rows of it (forward);
+    backward all-gathers the gradient. The adjoint of :func:`gather_rows`."""
+    if _size(group) == 1:
+        return x
+    return _ReduceScatterGather.apply(x, 0, group, stats)
+
+
 def all_reduce_grad(grad: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
     """The sum of a gradient over ``group`` as a new tensor (no autograd). For gradient hooks of
     parameters replicated over a group whose ranks each see part of the data (sequence parallelism)."""
@@ -237,6 +255,7 @@ def all_reduce_grad(grad: torch.Tensor, group, stats: CommStats | None = None) -
 
 
 __all__ = [
-    "SEQ_DIM", "all_reduce_grad", "copy_to_region", "gather_last_dim", "gather_seq", "reduce_from_region",
+    "SEQ_DIM", "all_reduce_grad", "copy_to_region", "gather_last_dim", "gather_rows", "gather_seq",
+    "reduce_from_region", "reduce_scatter_rows",
     "reduce_scatter_seq", "split_last_dim",
 ]

@@ -10,7 +10,8 @@ nanotron keys it on each parameter's ShardedInfo):
   summed over ``tp_group``; a rank that holds a replica it does not own leaves it out;
 * a full copy on every tensor-parallel rank (``dim`` None, or no tensor parallelism): counted locally;
 * an expert-parallel shard (``p.ep_shard``, :mod:`shardwise.parallel.expert.dispatch`): this rank's experts;
-  their squares are summed over ``ep_group``;
+  their squares are summed over ``ep_group`` -- and over ``tp_group`` too where each expert is split over tp
+  (:mod:`shardwise.parallel.expert.tensor`);
 * a ZeRO shard's slice: summed over ``shard_group`` (the data-parallel group the shards split);
 * a pipeline stage's: summed over ``pp_group``; a weight tied between two stages is counted by one
   (its ``id`` in ``skip`` on the other).
@@ -38,21 +39,25 @@ def clip_grad_norm(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]], max_norm
     ``dist.group.WORLD`` for the default group). ``device``: where the reductions run when this rank holds
     no piece."""
     pieces = [(g, p) for g, p in pieces if g is not None]
-    parts: list[list[torch.Tensor]] = [[], [], []]  # [tensor-parallel splits, everything else, expert shards]
+    # [tensor-parallel splits, everything else, expert shards, expert shards of tensor-parallel splits]
+    parts: list[list[torch.Tensor]] = [[], [], [], []]
     for g, p in pieces:
         if id(p) in skip:
             continue
-        if ep_group is not None and getattr(p, "ep_shard", None) is not None:
-            parts[2].append(g)
+        experts = getattr(p, "ep_shard", None)
+        split = experts is not None and hasattr(experts, "split")  # experts split over tp too
+        if ep_group is not None and experts is not None:
+            parts[3 if split else 2].append(g)
             continue
-        info = getattr(p, "tp_shard", None) if tp_group is not None else None
+        # (ZeRO slices expert shards over their replicas: its shard group already sums over ep)
+        info = (experts if split else getattr(p, "tp_shard", None)) if tp_group is not None else None
         if info is None or info.dim is None:
             parts[1].append(g)
         elif info.owner:  # a whole local tensor: its real rows; a ZeRO slice of one: all of it (padding is 0)
             parts[0].append(g[info.local_index()] if g.shape == p.shape else g)
     if device is None:
         device = pieces[0][0].device if pieces else torch.device("cpu")
-    local = torch.zeros(3, dtype=torch.float32, device=device)
+    local = torch.zeros(4, dtype=torch.float32, device=device)
     for i, part in enumerate(parts):  # each part's norm as torch.nn.utils.clip_grad_norm_ computes it
         if part:
             local[i] = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(part)])).to(device)
@@ -60,13 +65,13 @@ def clip_grad_norm(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]], max_norm
     if shard_group is not None and dist.get_world_size(shard_group) > 1:
         dist.all_reduce(sq, group=shard_group)
     if tp_group is not None:
-        splits = sq[:1].clone()
+        splits = sq[[0, 3]]
         dist.all_reduce(splits, group=tp_group)
-        sq[0] = splits[0]
+        sq[[0, 3]] = splits
     if ep_group is not None:
         experts = sq[2:].clone()
         dist.all_reduce(experts, group=ep_group)
-        sq[2] = experts[0]
+        sq[2:] = experts
     total = sq.sum().reshape(1)
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)

@@ -5,7 +5,8 @@ for Llama does the same; DESIGN.md "How layouts compose"):
 
 1. tensor / sequence parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022 §4.2.2): the block's
    Linears and the embeddings become their parallel forms over the ``tp`` axis
-   (:func:`shardwise.parallel.tensor.plan.apply_tensor_parallel`);
+   (:func:`shardwise.parallel.tensor.plan.apply_tensor_parallel`); with ``parallel.etp`` every expert's hidden
+   units too (:mod:`shardwise.parallel.expert.tensor`);
 2. context parallelism (Liu et al. 2023; Jacobs et al. 2023): every attention core runs over the ``cp``
    axis, positions and the loss follow the rank's share of the sequence
    (:func:`shardwise.parallel.context.apply_context_parallel`); expert parallelism over the ``ep`` axis
@@ -45,7 +46,8 @@ def parallelize(part: nn.Module, mesh: Mesh, cfg, ledger: CommLedger) -> nn.Modu
     Collectives record into ``ledger[axis]``. Returns ``part``."""
     if mesh.size("tp") > 1:
         apply_tensor_parallel(part, mesh.group("tp"), ledger["tp"],
-                              sequence_parallel=cfg.parallel.sequence_parallel, cfg=cfg.model)
+                              sequence_parallel=cfg.parallel.sequence_parallel, cfg=cfg.model,
+                              split_experts=cfg.parallel.etp > 1)
     if mesh.size("cp") > 1:
         apply_context_parallel(part, mesh, cfg, ledger["cp"])
     sp = cfg.parallel.sequence_parallel and mesh.size("tp") > 1

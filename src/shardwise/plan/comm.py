@@ -267,6 +267,16 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
             "none")
         add("expert parallel (counts)", "all-to-all", lay.ep, expert_count_bytes(m), fwd_passes * moe_layers * mb,
             st["ep"], "none")
+    if m.n_experts and lay.etp > 1:  # each expert split over tp (shardwise.parallel.expert.tensor)
+        rows = lay.micro_batch * s_local * m.moe_top_k * m.d_model * act_bytes  # routed rows, balanced routing
+        passes = (fwd_passes + 1) * moe_layers * mb
+        if lay.sequence_parallel:  # every tp rank's rows gathered in, the partial outputs reduce-scattered back
+            add("tensor parallel (experts, SP)", "all-gather", lay.tp, rows, passes, st["tp"], "none")
+            add("tensor parallel (experts, SP)", "reduce-scatter", lay.tp, rows, passes, st["tp"], "none")
+            add("tensor parallel (experts, counts)", "all-gather", lay.tp, lay.tp * expert_count_bytes(m),
+                fwd_passes * moe_layers * mb, st["tp"], "none")
+        else:  # Megatron's f and g around the experts
+            add("tensor parallel (experts)", "all-reduce", lay.tp, rows, passes, st["tp"], "none")
     if m.n_experts:  # the router's losses over a sequence spread over ranks (shardwise.parallel.expert.sequence)
         calls = fwd_passes * moe_layers * mb
         if lay.sequence_parallel and lay.tp > 1:

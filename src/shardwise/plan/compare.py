@@ -99,8 +99,9 @@ def run_layout(cfg: Config) -> Layout:
     p, t = cfg.parallel, cfg.train
     world = (p.nproc or 1) * p.nnodes
     dp = p.dp or max(1, world // (p.tp * p.pp * p.cp))
-    return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, offload=p.offload if p.zero else "none",
-                  sequence_parallel=p.sequence_parallel, pp_virtual=p.pp_virtual, micro_batch=t.micro_batch or 1,
+    return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, zero=p.zero,
+                  offload=p.offload if p.zero else "none", sequence_parallel=p.sequence_parallel,
+                  pp_virtual=p.pp_virtual, micro_batch=t.micro_batch or 1,
                   grad_accum=t.grad_accum or 1, recompute=t.recompute)
 
 
@@ -157,12 +158,18 @@ def tp_grad_sync_bytes(m, lay: Layout) -> float:
     pass (micro-batch), fp32: with sequence parallelism every tensor Megatron leaves whole (norms,
     row-parallel biases, the position table) has a partial gradient summed over tp (Korthikanti et al.
     2022 §4.2.2); where tp > n_kv_heads the replicated key/value projections' gradients are summed at their
-    full size; of a MoE block's experts, this rank's 1/ep. Which tensors are split is the planner's
-    (:mod:`shardwise.plan.tensors`, Shoeybi et al. 2019 §3)."""
+    full size; of a MoE block's experts, this rank's 1/ep -- with ``etp`` only their second bias (the split
+    weights see every tp rank's rows). Which tensors are split is the planner's (:mod:`shardwise.plan.tensors`,
+    Shoeybi et al. 2019 §3)."""
     if lay.tp == 1:
         return 0.0
-    total = sum(p.numel * 4 // (lay.ep if ".experts." in p.name else 1) for p in model_params(m)
-                if (p.split == "whole" and lay.sequence_parallel) or (p.split == "column_kv" and lay.tp > m.n_kv_heads))
+
+    def summed(p) -> bool:
+        if ".experts." in p.name and lay.etp > 1:
+            return lay.sequence_parallel and p.name.endswith("experts.fc_out.bias")
+        return (p.split == "whole" and lay.sequence_parallel) or (p.split == "column_kv" and lay.tp > m.n_kv_heads)
+
+    total = sum(p.numel * 4 // (lay.ep if ".experts." in p.name else 1) for p in model_params(m) if summed(p))
     return float(total * lay.grad_accum)
 
 

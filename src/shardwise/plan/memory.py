@@ -177,7 +177,8 @@ def params_per_rank(m: ModelSpec, lay: Layout) -> tuple[float, float]:
 
     Matrices and embeddings are split over ``tp`` (Megatron column/row/vocab-parallel layers,
     Shoeybi et al. 2019 §3); norms and row-parallel biases are replicated. Experts are split over
-    ``ep`` and whole on every tp rank, as the trainer keeps them. The first stage holds the token (and
+    ``ep`` and whole on every tp rank, as the trainer keeps them, or with ``etp`` their hidden units over tp too
+    (the second projection's bias whole). The first stage holds the token (and
     position) embedding; the last the final norm and the head (and, tied with pp > 1, a copy of the
     embedding, as Megatron does, §3 of Narayanan et al. 2021)."""
     t, h = lay.tp, m.d_model
@@ -188,9 +189,11 @@ def params_per_rank(m: ModelSpec, lay: Layout) -> tuple[float, float]:
     dense_mlp_bias_rep = h if m.flavor in ("gpt2", "bert") else 0
     mlp = (mlp_params(m) - dense_mlp_bias_rep) / t + dense_mlp_bias_rep
     # an MoE block (router, experts, shared experts) stays whole on every tp rank (shardwise.parallel.tensor.plan);
-    # its experts split over ep
+    # its experts split over ep, and with etp each expert's hidden units over tp (shardwise.parallel.expert.tensor)
     moe_share = (m.n_layers // m.moe_every) / m.n_layers if m.n_experts else 0.0  # MoE blocks per block
-    experts = moe_share * m.n_experts * mlp_params(m, m.expert_d_ff) / lay.ep
+    out_bias = h if m.flavor in ("gpt2", "bert") else 0
+    expert = (mlp_params(m, m.expert_d_ff) - out_bias) / lay.etp + out_bias
+    experts = moe_share * m.n_experts * expert / lay.ep
     shared = mlp_params(m, m.moe_shared * m.d_ff) if m.moe_shared else 0.0
     qk = 2 * m.head_dim if m.qk_norm else 0  # QK-norm gains, whole on every tp rank
     dense_block = attn + 2 * norm + qk + (1 - moe_share) * mlp + moe_share * (h * m.n_experts + shared)

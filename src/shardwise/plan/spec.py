@@ -71,6 +71,8 @@ class Layout:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int = 1
+    """Expert tensor parallelism: 1, or tp (each expert's hidden units split over the tp ranks)."""
     zero: int = 0
     offload: str = "none"
     micro_batch: int = 1
@@ -94,6 +96,8 @@ class Layout:
             s += f" cp{self.cp}"
         if self.ep > 1:
             s += f" ep{self.ep}"
+        if self.etp > 1:
+            s += f" etp{self.etp}"
         if self.pp_virtual > 1:
             s += f" v{self.pp_virtual}"
         s += f" z{self.zero} mb{self.micro_batch}"

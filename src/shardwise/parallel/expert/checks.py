@@ -38,6 +38,8 @@ def check(cfg: Config) -> None:
                           f"use one of {divisors(m.n_experts)}")
     if p.dp % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}; use one of {divisors(p.dp)}")
+    if p.etp != 1:
+        check_expert_tensor_parallel(cfg)
     if p.ep > 1 and cfg.comm.algorithm != "native" and cfg.run.device == "cuda" and p.backend == "gloo":
         raise ConfigError(f"parallel.ep={p.ep} with run.device='cuda' and parallel.backend='gloo': our pairwise "
                           f"all-to-all (comm.algorithm={cfg.comm.algorithm!r}) sends tokens point to point, and "
@@ -52,6 +54,22 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"ps.consistency={cfg.ps.consistency!r} with model.moe_router='sigmoid_bias': each worker "
                           "moves its router's balancing bias (a buffer the servers do not hold) by the load of the "
                           "step, which the workers agree on only in lock-step; use ps.consistency='bsp'")
+
+
+def check_expert_tensor_parallel(cfg: Config) -> None:
+    """``parallel.etp`` (:mod:`.tensor`): each expert's hidden units over the tensor-parallel ranks."""
+    p, m = cfg.parallel, cfg.model
+    if not m.n_experts:
+        raise ConfigError(f"parallel.etp={p.etp} splits experts over tensor-parallel ranks, but model.n_experts=0; "
+                          "set model.n_experts or parallel.etp=1")
+    if p.etp != p.tp:
+        raise ConfigError(f"parallel.etp={p.etp} with parallel.tp={p.tp}: experts split over the tensor-parallel "
+                          f"ranks only (etp = tp; Megatron's parallel folding with other sizes is not built); use "
+                          f"parallel.etp=1 or {p.tp}")
+    width = m.moe_d_ff or m.d_ff
+    if width % p.etp:
+        raise ConfigError(f"parallel.etp={p.etp} does not divide the experts' width {width} (model.moe_d_ff, or "
+                          f"model.d_ff when it is 0); use one of {divisors(width)}")
 
 
 def unused(cfg: Config) -> list[Unused]:

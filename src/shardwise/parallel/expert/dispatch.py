@@ -36,8 +36,9 @@ from torch import nn
 
 from shardwise.dist.comm.collectives import all_to_all, all_to_all_v
 from shardwise.dist.comm.counting import CommStats
-from shardwise.model.moe import ExpertLinear, Experts, moe_layers
-from shardwise.parallel.tensor.layers import TPShard
+from shardwise.model.moe import Experts, moe_layers
+from shardwise.parallel.expert.tensor import ExpertTensorParallel, expert_major
+from shardwise.parallel.tensor.layers import ExpertRowsOfSplit, TPShard
 
 
 class _AllToAll(torch.autograd.Function):
@@ -83,12 +84,13 @@ class ExpertParallel(Experts):
         self.n_local = self.n_experts // self.ep
         start, stop = self.rank * self.n_local, (self.rank + 1) * self.n_local
         for name, child in experts.named_children():
-            local = ExpertLinear.__new__(ExpertLinear)
+            local = type(child).__new__(type(child))
             nn.Module.__init__(local)
             for pname, p in child.named_parameters(recurse=False):
                 piece = nn.Parameter(p.detach()[start:stop].clone(), requires_grad=p.requires_grad)
-                tp = getattr(p, "tp_shard", None)  # with tensor parallelism: a copy on every tp rank
-                piece.ep_shard = TPShard("ep", 0, tuple(p.shape), start, stop, owner=tp is None or tp.owner)
+                tp = getattr(p, "tp_shard", None)  # with tensor parallelism: a copy on every tp rank, or a split
+                piece.ep_shard = ExpertRowsOfSplit(tp, start, stop) if tp is not None and tp.dim is not None else \
+                    TPShard("ep", 0, tuple(p.shape), start, stop, owner=tp is None or tp.owner)
                 for hook in (getattr(p, "_backward_hooks", None) or {}).values():
                     piece.register_hook(hook)  # sequence parallelism's sum over tp of the partial gradient
                 setattr(local, pname, piece)
@@ -105,7 +107,7 @@ class ExpertParallel(Experts):
         in_splits = sent.view(ep, n_local).sum(1).tolist()
         out_splits = got.sum(1).tolist()
         arrived = dispatch(x, out_splits, in_splits, self.group, self.algorithm, self.stats, self.timeout_s)
-        perm = _expert_major(got)
+        perm = expert_major(got, torch.cumsum(got.sum(1), 0) - got.sum(1))
         y = super().forward(arrived.index_select(0, perm.to(arrived.device)), got.sum(0).to(x.device))  # also none
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel())
@@ -117,22 +119,30 @@ class ExpertParallel(Experts):
         return f"experts {start}..{start + self.n_local - 1} of {self.n_experts}, ep={self.ep}, {self.algorithm}"
 
 
-def _expert_major(got: torch.Tensor) -> torch.Tensor:
-    """The permutation that reorders rows arriving source-major (``got[i, e]`` rows from rank ``i`` for
-    local expert ``e``) into expert-major order (expert ``e``'s rows from rank 0, 1, ...)."""
-    starts = torch.cumsum(got.reshape(-1), 0) - got.reshape(-1)
-    starts = starts.view_as(got)
-    pieces = [torch.arange(int(starts[i, e]), int(starts[i, e] + got[i, e]))
-              for e in range(got.shape[1]) for i in range(got.shape[0])]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+class ExpertParallelTensorParallel(ExpertParallel, ExpertTensorParallel):
+    """This rank's ``E / ep`` experts, each split over tp (``parallel.etp``): tokens arrive by all-to-all over ep
+    (:class:`ExpertParallel`), then enter and leave the tensor-parallel split (:class:`ExpertTensorParallel`,
+    next in the method order: ``ExpertParallel.forward`` calls it on the arrived rows)."""
+
+    def __init__(self, experts: ExpertTensorParallel, group: dist.ProcessGroup, stats: CommStats | None = None,
+                 algorithm: str = "pairwise", timeout_s: float | None = None):
+        super().__init__(experts, group, stats, algorithm, timeout_s)
+        self.tp_group, self.tp_stats, self.sequence_parallel = experts.tp_group, experts.tp_stats, \
+            experts.sequence_parallel
+        self.tp, self.tp_rank = experts.tp, experts.tp_rank
+
+    def extra_repr(self) -> str:
+        return f"{ExpertParallel.extra_repr(self)}; {ExpertTensorParallel.extra_repr(self)}"
 
 
 def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, stats: CommStats | None = None,
                           algorithm: str = "pairwise", timeout_s: float | None = None) -> nn.Module:
     """Swap every MoE block's :class:`Experts` in ``model`` (holding real values) for this rank's
-    :class:`ExpertParallel` over ``group`` (``mesh.group("ep")``); returns ``model``."""
+    :class:`ExpertParallel` over ``group`` (``mesh.group("ep")``) -- experts already split over tp
+    (:class:`ExpertTensorParallel`) keep their split; returns ``model``."""
     for moe in moe_layers(model):
-        moe.experts = ExpertParallel(moe.experts, group, stats, algorithm, timeout_s)
+        cls = ExpertParallelTensorParallel if isinstance(moe.experts, ExpertTensorParallel) else ExpertParallel
+        moe.experts = cls(moe.experts, group, stats, algorithm, timeout_s)
     return model
 
 

@@ -28,6 +28,7 @@ slices weights and says where the region begins and ends.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,59 @@ class TPShard:
         out = piece.new_zeros(shape)
         out[self.local_index()] = piece
         return out
+
+    @property
+    def real_rows(self) -> int:
+        """Rows along ``dim`` that hold real values (the rest of the local size is padding)."""
+        return self.stop - self.start
+
+    def run_start(self, lead: int) -> int:
+        """Where, in the flattened full tensor, the real rows of the local tensor's ``lead``-th run begin (one run
+        per index of the dims before ``dim``: ``rows = stop - start`` rows along ``dim`` and everything after)."""
+        return (lead * self.full_shape[self.dim] + self.start) * math.prod(self.full_shape[self.dim + 1:])
+
+
+@dataclass(frozen=True)
+class ExpertRowsOfSplit:
+    """An expert-parallel shard of a tensor-parallel split: experts ``start .. stop`` (dim 0) of a stacked expert
+    tensor ``[E, ...]`` of which ``split`` holds some rows along a later dim (expert tensor parallelism with
+    expert parallelism, :mod:`shardwise.parallel.expert.tensor`): the local tensor is
+    ``full[start:stop][split's rows]``. It answers what a :class:`TPShard` answers (``dim``, ``full_index``,
+    ``take``, ``run_start``), so checkpoints, loading, ZeRO and the gradient norm read it alike."""
+
+    split: TPShard
+    start: int
+    stop: int
+    axis: str = "ep"
+    owner: bool = True
+    replicas: int = 1
+    grad_sync: str | None = None
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return self.split.full_shape
+
+    @property
+    def dim(self) -> int:
+        return self.split.dim
+
+    @property
+    def real_rows(self) -> int:
+        return self.split.real_rows
+
+    def full_index(self) -> tuple[slice, ...]:
+        return (slice(self.start, self.stop), *self.split.full_index()[1:])
+
+    def local_index(self) -> tuple[slice, ...]:
+        return self.split.local_index()
+
+    def take(self, full: torch.Tensor, local_size: int | None = None) -> torch.Tensor:
+        return self.split.take(full[self.start:self.stop], local_size)
+
+    def run_start(self, lead: int) -> int:
+        per_expert = math.prod(self.full_shape[1:self.dim])  # runs of one expert
+        expert, rest = divmod(lead, per_expert)
+        return self.split.run_start((self.start + expert) * per_expert + rest)
 
 
 def mark(p: nn.Parameter, info: TPShard) -> nn.Parameter:
@@ -399,6 +453,6 @@ def install_grad_sync(module: nn.Module, group, stats: CommStats | None = None) 
 
 
 __all__ = [
-    "ColumnParallelLinear", "EnterRegion", "RowParallelLinear", "SequenceParallelPositions", "TPShard",
-    "VocabParallelEmbedding", "even_rows", "install_grad_sync", "mark", "padded_rows", "replicated",
+    "ColumnParallelLinear", "EnterRegion", "ExpertRowsOfSplit", "RowParallelLinear", "SequenceParallelPositions",
+    "TPShard", "VocabParallelEmbedding", "even_rows", "install_grad_sync", "mark", "padded_rows", "replicated",
 ]

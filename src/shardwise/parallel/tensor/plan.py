@@ -44,6 +44,7 @@ from torch import nn
 
 from shardwise.dist.comm.counting import CommStats
 from shardwise.model.moe import MoE
+from shardwise.parallel.expert.tensor import ExpertTensorParallel
 from shardwise.parallel.tensor.checks import check_tensor_parallel
 from shardwise.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -165,6 +166,7 @@ def apply_tensor_parallel(
     plan: dict[str, str] | None = None,
     axis: str = "tp",
     cfg=None,
+    split_experts: bool = False,
 ) -> nn.Module:
     """Rewrite ``model`` (a plain :class:`~shardwise.model.Transformer`, or a part of one holding some of
     its modules under their usual names) in place into this rank's tensor-parallel piece over ``group``
@@ -181,6 +183,8 @@ def apply_tensor_parallel(
 
     ``plan`` (default ``PLANS[cfg.flavor]``) and ``cfg`` (default ``model.cfg``) let the same rewrite
     apply to a single block: ``apply_tensor_parallel(block, group, plan=block_plan(cfg.flavor), cfg=cfg)``.
+    A mixture-of-experts block stays whole on every rank, unless ``split_experts`` (``parallel.etp``) splits
+    each expert's hidden units (:mod:`shardwise.parallel.expert.tensor`); its router stays whole.
     """
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     cfg = model.cfg if cfg is None else cfg
@@ -192,8 +196,12 @@ def apply_tensor_parallel(
     head: ColumnParallelLinear | None = None
     for path, module in list(model.named_modules()):
         style = style_of(plan, path) if path else None
-        if style is None or style == "replicate" or (style == "region" and isinstance(module, MoE)):
-            continue  # a mixture-of-experts block stays whole on every tp rank (its experts may be split over ep)
+        if style == "region" and isinstance(module, MoE):
+            if split_experts:  # expert tensor parallelism; else whole on every tp rank (perhaps split over ep)
+                module.experts = ExpertTensorParallel(module.experts, group, stats, sequence_parallel=sp)
+            continue
+        if style is None or style == "replicate":
+            continue
         if style == "vocab_embedding":
             emb = VocabParallelEmbedding.from_embedding(module, group, stats, sequence_parallel=sp, axis=axis)
             _set(model, path, emb)

@@ -40,12 +40,11 @@ def slice_pieces(key: str, local: torch.Tensor, info) -> list[Piece]:
     d = info.dim
     real = local.detach()[info.local_index()]
     inner = math.prod(full_shape[d + 1:])
-    rows = info.stop - info.start
+    rows = info.real_rows
     if rows == 0:
         return []
-    runs = real.reshape(math.prod(full_shape[:d]), rows * inner)
-    return [Piece(key, runs[i], (i * full_shape[d] + info.start) * inner, full_shape)
-            for i in range(runs.shape[0])]
+    runs = real.reshape(-1, rows * inner)
+    return [Piece(key, runs[i], info.run_start(i), full_shape) for i in range(runs.shape[0])]
 
 
 def owned_param_names(module: nn.Module) -> dict[str, object]:
@@ -106,6 +105,8 @@ def read_local(state: Mapping, key: str, like: torch.Tensor, info) -> torch.Tens
     if info is None or info.dim is None or not hasattr(state, "read_rows") or \
             state.ndim(key) != len(info.full_shape):
         return local_value(state[key], like, info)
+    if hasattr(info, "split"):  # experts of a tensor-parallel split: read their rows, then cut the split
+        return info.split.take(state.read_rows(key, 0, info.start, info.stop), like.shape[info.dim])
     rows = state.read_rows(key, info.dim, info.start, info.stop)
     if rows.shape[info.dim] == like.shape[info.dim]:
         return rows
@@ -172,14 +173,14 @@ def local_range_pieces(key: str, values: torch.Tensor, local_start: int, local_s
     d = info.dim
     inner = math.prod(local_shape[d + 1:])
     block = local_shape[d] * inner  # one leading index's rows, padding included
-    real = (info.stop - info.start) * inner
+    real = info.real_rows * inner
     out, pos, end = [], local_start, local_start + values.numel()
     while pos < end:
         lead, off = divmod(pos, block)
         block_end = min(end, (lead + 1) * block)
         if off < real:
             seg_end = min(block_end, lead * block + real)
-            full_start = (lead * full_shape[d] + info.start) * inner + off
+            full_start = info.run_start(lead) + off
             out.append(Piece(key, values[pos - local_start:seg_end - local_start], full_start, full_shape))
         pos = block_end
     return out
