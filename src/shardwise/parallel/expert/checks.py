@@ -60,8 +60,8 @@ def check_expert_tensor_parallel(cfg: Config) -> None:
     """``parallel.etp`` (:mod:`.tensor`): each expert's hidden units over the tensor-parallel ranks."""
     p, m = cfg.parallel, cfg.model
     if not m.n_experts:
-        raise ConfigError(f"parallel.etp={p.etp} splits experts over tensor-parallel ranks, but model.n_experts=0; "
-                          "set model.n_experts or parallel.etp=1")
+        raise ConfigError(f"parallel.etp={p.etp} splits experts over tensor-parallel ranks: it needs a "
+                          "mixture-of-experts model; set model.n_experts or parallel.etp=1")
     if p.etp != p.tp:
         raise ConfigError(f"parallel.etp={p.etp} with parallel.tp={p.tp}: experts split over the tensor-parallel "
                           f"ranks only (etp = tp; Megatron's parallel folding with other sizes is not built); use "
@@ -69,7 +69,7 @@ def check_expert_tensor_parallel(cfg: Config) -> None:
     width = m.moe_d_ff or m.d_ff
     if width % p.etp:
         raise ConfigError(f"parallel.etp={p.etp} does not divide the experts' width {width} (model.moe_d_ff, or "
-                          f"model.d_ff when it is 0); use one of {divisors(width)}")
+                          f"model.d_ff when it is unset); use one of {divisors(width)}")
 
 
 def unused(cfg: Config) -> list[Unused]:
