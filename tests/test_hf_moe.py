@@ -145,18 +145,20 @@ FIRST_LOSS = {"model.preset": "custom", "data.seq_len": 16, "train.steps": 2, "m
 """transformers' causal-LM loss has no auxiliary losses (output_router_logits is off): ours are set to 0."""
 
 
-@pytest.mark.parametrize("kind,name,overrides", [
-    ("mixtral", "ep2", {"parallel.ep": 2}),
-    ("qwen3_moe", "tp2", {"parallel.tp": 2}),  # QK-norm and the dense blocks split over tp, MoE blocks whole
+@pytest.mark.parametrize("kind,name,nproc,overrides", [
+    ("mixtral", "ep2", 2, {"parallel.ep": 2}),
+    ("qwen3_moe", "tp2", 2, {"parallel.tp": 2}),  # QK-norm and the dense blocks split over tp, MoE blocks whole
+    # each rank reads its experts' rows of its hidden units' columns from the directory
+    ("mixtral", "ep2-tp2-etp2", 4, {"parallel.ep": 2, "parallel.tp": 2, "parallel.etp": 2}),
 ])
-def test_run_from_a_transformers_moe_directory_starts_at_its_loss(kind, name, overrides, tmp_path, cache_dir):
+def test_run_from_a_transformers_moe_directory_starts_at_its_loss(kind, name, nproc, overrides, tmp_path, cache_dir):
     from tests.test_hf_train import first_batch_loss
     from tests.test_train import make_config
 
     src = moe_directory(kind, tmp_path / "src")
     given = {**FIRST_LOSS, "model.init_from": f"hf:{src}", **overrides}
-    losses, _state, _ = run(tmp_path, cache_dir, name, 2, **given)
-    cfg = make_config(tmp_path / "ref", cache_dir, 2, **given)
+    losses, _state, _ = run(tmp_path, cache_dir, name, nproc, **given)
+    cfg = make_config(tmp_path / "ref", cache_dir, nproc, **given)
     expected = first_batch_loss(cfg, transformers.AutoModelForCausalLM.from_pretrained(src))
     assert losses[0] == pytest.approx(expected, abs=1e-5)
 
