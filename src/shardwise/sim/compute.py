@@ -1,9 +1,7 @@
 """What one micro-batch costs a GPU: every operator of the model's own code, on a roofline.
 
-The model's blocks, embedding and head are built on the ``meta`` device (no memory, no arithmetic) with the
-shapes one rank holds -- the tensor-parallel slices the engine's plan table gives each projection
-(:data:`shardwise.parallel.tensor.plan.PLANS`: column-parallel layers keep ``out / tp`` rows, row-parallel
-ones ``in / tp`` columns, so a block computes its ``n_heads / tp`` heads) -- and run forward and backward
+The engine's pieces of one rank (:mod:`shardwise.sim.engine_trace`: the model's blocks, embedding and head as
+``parallelize`` rewrites them, on the meta device or small real CPU tensors) are run forward and backward
 under a dispatch mode that records every aten operator: its FLOPs (2mnk per matrix multiplication) and the
 bytes it reads and writes (views are free), and which backward products are weight gradients (the ``W`` of
 a split backward, Qi et al. 2024). Each operator then takes the roofline time (Williams, Waterman &
@@ -21,9 +19,9 @@ distinct tensors autograd saves (parameters apart), measured with ``saved_tensor
 Approximations, stated: tensors are traced in fp32 and their bytes scaled to the compute dtype (the
 trainer keeps an fp32 residual stream under autocast); a mixture-of-experts block's experts are costed as
 the flavour's MLP over ``tokens x top_k x imbalance`` rows (what a rank's experts process with balanced
-routing, whatever ep is), its router as one projection; sequence parallelism divides the work outside the
-attention and MLP regions (norms, residual adds) by tp; context parallelism gives each rank ``1/cp`` of the
-(head-tail balanced) attention work, ``(2cp - 1) / cp`` of that share on the busiest rank without balance.
+routing) only where the block is too large to run here (:mod:`shardwise.sim.engine_trace`); where the engine's
+attention core was traced as the eager reference on a flash-attention GPU, it is costed as the fused kernel over
+this rank's ``1/cp`` share (``(2cp - 1) / cp`` of it on the busiest rank without head-tail balance).
 """
 
 from __future__ import annotations
