@@ -1,9 +1,7 @@
 """What one micro-batch costs a GPU: every operator of the model's own code, on a roofline.
 
-The model's blocks, embedding and head are built on the ``meta`` device (no memory, no arithmetic) with the
-shapes one rank holds -- the tensor-parallel slices the engine's plan table gives each projection
-(:data:`shardwise.parallel.tensor.plan.PLANS`: column-parallel layers keep ``out / tp`` rows, row-parallel
-ones ``in / tp`` columns, so a block computes its ``n_heads / tp`` heads) -- and run forward and backward
+The engine's pieces of one rank (:mod:`shardwise.sim.engine_trace`: the model's blocks, embedding and head as
+``parallelize`` rewrites them, on the meta device or small real CPU tensors) are run forward and backward
 under a dispatch mode that records every aten operator: its FLOPs (2mnk per matrix multiplication) and the
 bytes it reads and writes (views are free), and which backward products are weight gradients (the ``W`` of
 a split backward, Qi et al. 2024). Each operator then takes the roofline time (Williams, Waterman &
@@ -21,9 +19,9 @@ distinct tensors autograd saves (parameters apart), measured with ``saved_tensor
 Approximations, stated: tensors are traced in fp32 and their bytes scaled to the compute dtype (the
 trainer keeps an fp32 residual stream under autocast); a mixture-of-experts block's experts are costed as
 the flavour's MLP over ``tokens x top_k x imbalance`` rows (what a rank's experts process with balanced
-routing, whatever ep is), its router as one projection; sequence parallelism divides the work outside the
-attention and MLP regions (norms, residual adds) by tp; context parallelism gives each rank ``1/cp`` of the
-(head-tail balanced) attention work, ``(2cp - 1) / cp`` of that share on the busiest rank without balance.
+routing) only where the block is too large to run here (:mod:`shardwise.sim.engine_trace`); where the engine's
+attention core was traced as the eager reference on a flash-attention GPU, it is costed as the fused kernel over
+this rank's ``1/cp`` share (``(2cp - 1) / cp`` of it on the busiest rank without head-tail balance).
 """
 
 from __future__ import annotations
@@ -36,7 +34,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.sim.hardware import SimHardware
 
-MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
+FUSED_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu",
+                   "_scaled_dot_product_flash_attention_for_cpu_backward"}
+"""torch's fused CPU attention kernels (what the context-parallel ring and ``scaled_dot_product_attention`` run on a
+CPU): ``4 b h s_q s_k d`` FLOPs forward, half of it under a causal mask, 2.5 times that backward (Dao et al. 2022,
+§3), at ``attention_efficiency``."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.is_view or func._opname in ("detach", "_unsafe_view", "lift_fresh"):
-            return out
+        if func.is_view or func._opname in ("detach", "_unsafe_view", "lift_fresh") or func.namespace != "aten":
+            return out  # views are free; collectives (c10d) are costed by the communication model
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
         if func._opname == "embedding":  # a gather: the rows it reads, not the whole table
@@ -79,8 +82,14 @@ class _Recorder(TorchDispatchMode):
         flops = 0.0
         name = func._opname
         if name in MATMULS:
-            a, b = (tensors[-2], tensors[-1])
+            a, b = (tensors[-2], tensors[-1]) if name != "_grouped_mm" else (tensors[0], tensors[1])
             flops = 2.0 * a.numel() * b.shape[-1]
+        elif name in FUSED_ATTENTION:
+            backward = name.endswith("_backward")
+            q, k = (args[1], args[2]) if backward else (args[0], args[1])
+            at = 7 if backward else 4
+            causal = (kwargs or {}).get("is_causal", args[at] if len(args) > at else False)
+            flops = 4.0 * q.numel() * k.shape[-2] * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
         wgrad = self.backward and bool(outs) and (tuple(outs[0].shape) in self.weight_shapes) and \
             (name in MATMULS or name == "sum")
         self.ops.append(Op(name, flops, float(nbytes), wgrad))
@@ -168,7 +177,7 @@ class Roofline:
     def pass_cost(self, ops) -> PassCost:
         out = PassCost()
         for op in ops:
-            t = self.seconds(op.flops, op.bytes)
+            t = self.seconds(op.flops, op.bytes, self.hw.attention_efficiency if op.name in FUSED_ATTENTION else None)
             out.seconds += t
             out.flops += op.flops
             if op.weight_grad:
