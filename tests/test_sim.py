@@ -227,3 +227,19 @@ def test_narayanan_table1_rows_within_15_percent(row):
     entry = next(r for r in sim_published.TABLE1 if r[0] == row)
     tflops, _ = sim_published.achieved(entry)
     assert tflops == pytest.approx(entry[-1], rel=0.15)
+
+
+def test_expert_tensor_parallelism_adds_its_collectives_and_splits_the_experts():
+    """parallel.etp: the experts' all-gather / reduce-scatter over tp (sequence parallel) are costed, and each rank
+    holds half of every expert's weights (the second projection's bias whole)."""
+    hw = cluster(gpus=2)
+    base = {"model.preset": "tiny-moe", "data.seq_len": "64", "train.precision": "fp32", "parallel.tp": "2",
+            "parallel.sequence_parallel": "true"}
+    whole = simulate(load_config(None, base, hw), hw)
+    split = simulate(load_config(None, {**base, "parallel.etp": "2"}, hw), hw)
+    assert split.exposed_s["tp"] > whole.exposed_s["tp"]
+    cfg = split.cfg.model
+    blocks = cfg.n_layers // cfg.moe_every
+    halved = blocks * cfg.n_experts * (2 * cfg.d_model * (cfg.moe_d_ff or cfg.d_ff) + (cfg.moe_d_ff or cfg.d_ff)) / 2
+    params = [r.states_bytes["params"] for r in (whole.ranks[0], split.ranks[0])]
+    assert params[0] - params[1] == 4 * halved

@@ -10,7 +10,8 @@ What each technique sends per block and micro-batch is the engine's:
   parameter the plan leaves whole has its partial gradient all-reduced over tp in backward, and with
   tp > n_kv_heads the replicated key/value projections' gradients are summed too. The vocabulary-parallel
   embedding all-reduces its output (sequence parallel: reduce-scatter), the head enters the region, and
-  the loss all-reduces three fp32 values per token (:mod:`shardwise.parallel.tensor.loss`).
+  the loss all-reduces three fp32 values per token (:mod:`shardwise.parallel.tensor.loss`). Experts split over
+  tp (``parallel.etp``) add their own collectives around the experts (:meth:`LayerComm._etp_block`).
 * context parallelism (:mod:`shardwise.plan.context`'s volumes): the ring passes K and V to the next rank
   cp - 1 times in forward, and K, V again plus their fp32 gradients in backward, each transfer overlapping
   one block's attention compute (Liu et al. 2023, Algorithm 1) -- only what a transfer takes beyond the
@@ -102,10 +103,12 @@ class LayerComm:
         regions = sum(1 for path, s in plan.items() if s == "region" and not (moe and path == "mlp"))
         rowwise = sum(1 for path, s in plan.items() if s == "rowwise" and not (moe and path.startswith("mlp.")))
         full = t.recompute == "full" and layer % t.recompute_every == 0
-        fwd = self._tp_block(regions, rowwise, "F") + self._cp_block("F") + self._ep_block(moe, "F")
+        fwd = self._tp_block(regions, rowwise, "F") + self._cp_block("F") + self._ep_block(moe, "F") + \
+            self._etp_block(moe, "F")
         if phase == "F":
             return fwd
-        bwd = self._tp_block(regions, rowwise, "B") + self._cp_block("B") + self._ep_block(moe, "B")
+        bwd = self._tp_block(regions, rowwise, "B") + self._cp_block("B") + self._ep_block(moe, "B") + \
+            self._etp_block(moe, "B")
         bwd += self._tp_grad_sync(layer)
         if full:
             return fwd + bwd
@@ -201,6 +204,21 @@ class LayerComm:
         return [("cp all-to-all", "cp", seconds)]
 
     # ---- expert parallelism --------------------------------------------------------------------------------
+
+    def _etp_block(self, moe: bool, phase: str) -> list[Segment]:
+        """Experts split over tp (``parallel.etp``, :mod:`shardwise.parallel.expert.tensor`): without sequence
+        parallelism f / g around them (an all-reduce of the routed rows each phase); with it the tp ranks' routed
+        rows all-gathered in and the partial outputs reduce-scattered back (backward: the adjoints), plus the
+        split sizes gathered forward."""
+        if not moe or self.cfg.parallel.etp == 1:
+            return []
+        m, c = self.cfg.model, self.costs
+        rows = c.batch * c.tokens * m.moe_top_k * self.imbalance * m.d_model * self.elt  # all tp ranks' rows
+        if not self.sp:
+            return self._tp("etp all-reduce", "all-reduce", rows)
+        counts = self._tp("etp split sizes", "all-gather", 8.0 * m.n_experts * self.tp) if phase == "F" else []
+        return counts + self._tp("etp all-gather", "all-gather", rows) + \
+            self._tp("etp reduce-scatter", "reduce-scatter", rows)
 
     def _ep_block(self, moe: bool, phase: str) -> list[Segment]:
         if not moe or self.ep == 1:

@@ -52,8 +52,9 @@ class RankParams:
 def _local_numel(cfg: Config, name: str, p: nn.Parameter) -> int:
     m, tp, ep = cfg.model, cfg.parallel.tp, cfg.parallel.ep
     n = p.numel()
-    if ".experts." in name:
-        return n // ep
+    if ".experts." in name:  # with etp each expert's hidden units over tp too, the second projection's bias whole
+        split = cfg.parallel.etp > 1 and not name.endswith(("fc_out.bias", "down_proj.bias"))
+        return n // ep // (tp if split else 1)
     if tp == 1:
         return n
     module, _, kind = name.rpartition(".")

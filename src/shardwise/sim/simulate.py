@@ -86,7 +86,7 @@ class SimResult:
 
     def summary(self) -> dict:
         p, t = self.cfg.parallel, self.cfg.train
-        layout = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "zero": p.zero,
+        layout = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "etp": p.etp, "zero": p.zero,
                   "pp_schedule": p.pp_schedule if p.pp > 1 else None, "pp_virtual": p.pp_virtual,
                   "microbatches": t.grad_accum, "micro_batch": t.micro_batch}
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,

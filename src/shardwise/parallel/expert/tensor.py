@@ -116,7 +116,7 @@ class ExpertTensorParallel(Experts):
         every = torch.empty(self.tp * counts.numel(), dtype=counts.dtype, device=counts.device)
         if self.tp_stats is not None:
             self.tp_stats.hand(nbytes(every), backend=True)
-        dist.all_gather_into_tensor(every, counts.contiguous(), group=self.tp_group)
+        dist.all_gather_single(every, counts.contiguous(), group=self.tp_group)
         every = every.view(self.tp, -1).cpu()  # every[i, e]: rows tp rank i routed to expert e
         longest = int(every.sum(1).max())
         padded = gather_rows(F.pad(x, (0, 0, 0, longest - x.shape[0])), self.tp_group, self.tp_stats)
