@@ -314,6 +314,9 @@ def resimulate(results: Path, hardware_dir: Path, out: Path | None) -> int:
         comm = ", ".join(f"{axis} {s * 1e3:.0f}" for axis, s in res.exposed_s.items())
         print(f"{row['layout']:<20} measured {row['measured_step_s'] * 1e3:8.1f} ms, simulated "
               f"{res.step_time_s * 1e3:8.1f} ms ({error:+.0%}); exposed comm ms: {comm}{bubble}", flush=True)
+        if row.get("measured_timeline"):
+            for line in timeline_breakdown(row["measured_timeline"]):
+                print("    " + line)
         rows.append({"layout": row["layout"], "ranks": row["ranks"], "measured_step_s": row["measured_step_s"],
                      "simulated_step_s": res.step_time_s, "error": error, "simulated_exposed_comm_s": res.exposed_s,
                      "measured_bubble": row.get("measured_bubble"), "simulated_bubble": res.bubble,
@@ -322,6 +325,27 @@ def resimulate(results: Path, hardware_dir: Path, out: Path | None) -> int:
         out.write_text(json.dumps({"measured_in": str(results), "hardware_dir": str(hardware_dir), "layouts": rows},
                                   indent=1, default=str))
     return 0
+
+
+def timeline_breakdown(doc: dict) -> list[str]:
+    """Where each pipeline rank's measured span went (the trainer's timeline: the same events its bubble is
+    computed from): computing (F/B/W, with the spread of their durations), waiting for a receive, posting
+    transfers, and the rest."""
+    out = []
+    for t in doc["timelines"]:
+        events = t["events"]
+        busy = [e["end"] - e["start"] for e in events if e["kind"] in ("F", "B", "W")]
+        forward = sorted(e["end"] - e["start"] for e in events if e["kind"] == "F")
+        wait = sum(e["end"] - e["start"] for e in events if e["kind"] == "wait")
+        posts = {(e["start"], e["end"]) for e in events if e["kind"] in ("send", "recv")}  # one batch: one interval
+        post = sum(b - a for a, b in posts)
+        span = t["end"] - t["start"]
+        longest = max(b - a for a, b in posts)
+        out.append(f"rank {t['rank']}: span {span * 1e3:.0f} ms = compute {sum(busy) * 1e3:.0f} + wait "
+                   f"{wait * 1e3:.0f} + posting {post * 1e3:.0f} ({len(posts)} batches, longest {longest * 1e3:.1f}) "
+                   f"+ other {(span - sum(busy) - wait - post) * 1e3:.0f}; F {forward[0] * 1e3:.0f} .. "
+                   f"{forward[-1] * 1e3:.0f} ms")
+    return out
 
 
 def _timeline(res) -> list[list[tuple]]:

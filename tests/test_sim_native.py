@@ -1,4 +1,5 @@
-"""The backend's own collectives costed from their measured lines (``[sim.native_collectives]``).
+"""The backend's own collectives costed from their measured lines (``[sim.native_collectives]``), and the
+transfers the engine makes itself.
 
 A collective the engine hands to the backend is costed by the hardware's line for its collective and group size
 when there is one, by the algorithm on the links when not; one of ours on point-to-point messages (pipeline
@@ -10,9 +11,12 @@ from __future__ import annotations
 import pytest
 
 from shardwise.config import ConfigError
+from shardwise.sim.compute import BlockCost, PassCost
 from shardwise.sim.hardware import NativeLine, build_hardware
 from shardwise.sim.network import Fabric
-from tests.test_sim import cluster, run
+from shardwise.sim.simulate import load_config
+from shardwise.sim.step import StepBuilder
+from tests.test_sim import FixedCosts, cluster, run
 
 TABLE = """
 [sim]
@@ -111,3 +115,22 @@ def test_expert_all_to_all_follows_comm_algorithm(algorithm, native):
     slow, _ = run(hw.replace(native_collectives=(NativeLine("all-to-all", 2, 1.0, 0.0),)), over)
     # per MoE block (both, one micro-batch): forward the split sizes and the tokens out and back, backward two
     assert round(slow - base) == (2 * 5 if native else 0)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_ring_attention_transfers_hide_behind_the_block_pairs_only_with_overlap(overlap):
+    """cp 2, ring: a K/V transfer shorter than a block pair's compute is hidden where communication overlaps
+    computation, and costs all its time where it does not (the hardware files of CPU ranks)."""
+    hw = cluster(gpus=2, overlap=overlap)
+    cfg = load_config(None, {"model.preset": "tiny", "data.seq_len": "64", "train.precision": "fp32",
+                             "parallel.cp": "2", "train.global_batch": "8"}, hw)
+
+    class SlowCore(FixedCosts):
+        def core_cost(self):
+            return BlockCost(PassCost(1.0), PassCost(2.0))
+
+    builder = StepBuilder(cfg, Fabric(hw), SlowCore(cfg, hw))
+    exposed = {label: s for label, _, s in builder.layers.segments(0, "F")}["cp ring (exposed)"]
+    m, c = cfg.model, builder.costs
+    kv = 2 * c.batch * m.n_kv_heads * c.tokens * (m.d_model // m.n_heads) * 4
+    assert exposed == (0.0 if overlap else pytest.approx(builder.comm("cp", "send-ring", kv)))
