@@ -120,7 +120,13 @@ def main() -> int:
     ap.add_argument("layouts", nargs="*", default=["tp 2", "tp 2 + SP", "cp 2", "ep 2"])
     ap.add_argument("--hardware-dir", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
+    from shardwise.sim.engine_trace import trace_dims
+
     for name in args.layouts:
+        if name not in [layout[0] for layout in LAYOUTS]:
+            ap.error(f"{name!r} is not a layout of bench/sim_validate.py")
+        if trace_dims(config(name, args.hardware_dir)[0]).world_size != 2:
+            ap.error(f"{name!r}: no tensor-, context- or expert-parallel pair of ranks to run apart")
         compute, comm = simulated(name, args.hardware_dir)
         mirror, gloo = (measure(kind, name, args.hardware_dir) for kind in ("mirror", "gloo"))
         print(f"{name:<10} computation: mirror {mirror * 1e3:6.1f} ms, simulated {compute * 1e3:6.1f} "
