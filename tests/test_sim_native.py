@@ -99,6 +99,11 @@ def test_pipeline_sends_and_zero_exchanges_on_gloo_are_ours():
         slow, _ = run(hw.replace(native_collectives=lines), over)
         assert slow == pytest.approx(base, abs=1e-9), over
     assert "dp_cp pairwise" in builder.algorithms  # ZeRO on gloo: direct exchanges, not a ring
+    # its "had a gradient" flags go by our ring too: of its all-reduces only the loss's and the grad norm's are native
+    zero = {"parallel.zero": "3", "train.global_batch": "4"}
+    base, _ = run(hw, zero)
+    slow, _ = run(_slow_all_reduce(hw, 1.0), zero)
+    assert round(slow - base) == 2
 
 
 def test_without_a_table_every_collective_is_costed_by_its_algorithm():

@@ -113,13 +113,14 @@ class StepBuilder:
 
         * ours: the pipeline's sends (``parallel/pipeline/transfer.py``), ring attention's K/V passes
           (``parallel/context/ring.py``), ZeRO's reduce-scatters and all-gathers on gloo ("pairwise": direct
-          exchanges, ``parallel/zero/exchange.py``), the experts' all-to-all unless ``comm.algorithm`` is
-          "native" (``parallel/expert/dispatch.py``), and the gradient buckets' all-reduce unless it is
-          "native" (:attr:`native_buckets`, passed by the bucket sites);
+          exchanges, ``parallel/zero/exchange.py``) and its "had a gradient" flags there (our ring; passed by
+          that site), the experts' all-to-all unless ``comm.algorithm`` is "native"
+          (``parallel/expert/dispatch.py``), and the gradient buckets' all-reduce unless it is "native"
+          (:attr:`native_buckets`, passed by the bucket sites);
         * the backend's: tensor and sequence parallelism's all-reduce / all-gather / reduce-scatter
           (``dist/functional.py``), the vocabulary-parallel loss, context parallelism's all-gather,
-          reduce-scatter and Ulysses all-to-all, ZeRO's collectives on NCCL, and every small synchronisation
-          (loss, gradient norm, "had a gradient" flags, the pipeline's loss and timeline)."""
+          reduce-scatter and Ulysses all-to-all, ZeRO's collectives on NCCL, and every other small
+          synchronisation (loss, gradient norm, the pipeline's loss and timeline)."""
         if axis == "ep" and collective == "all-to-all":
             return self.cfg.comm.algorithm == "native"
         return collective not in ("send", "pairwise")
@@ -347,9 +348,9 @@ class StepBuilder:
                     else:
                         deps.append(self._reduce(r, g, [prev], f"reduce-scatter bucket {i}"))
                 prev = self._task(r, "wait for gradients", "wait", [("wait", None, 0.0)], deps)
-            if p.zero and shard > 1:  # which parameters had a gradient (one uint8 each)
-                prev = self._blocking(r, "grad flags all-reduce", "dp", self.comm("dp_cp", "all-reduce",
-                                                                                 float(len(rp.names)), r), prev)
+            if p.zero and shard > 1:  # which parameters had a gradient (one uint8 each; our ring on gloo)
+                seconds = self.comm("dp_cp", "all-reduce", float(len(rp.names)), r, native=not self.gloo_zero)
+                prev = self._blocking(r, "grad flags all-reduce", "dp", seconds, prev)
             ends[r] = prev
         ends = self._sync(ends, "pp", "pipeline loss all-reduce", 8.0) if self.pp > 1 else ends
         ends = self._sync(ends, "pp", "timeline gather", 4096.0) if self.pp > 1 else ends
