@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "src")]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "bench")]
 
 SIZES = tuple(4096 * 4**i for i in range(7))
 """4 KiB .. 16 MiB."""
@@ -163,6 +163,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.into and len(args.into) != len(args.world):
         ap.error(f"--into names {len(args.into)} files for {len(args.world)} --world values")
+    for path in args.into:
+        if not path.is_file():
+            ap.error(f"--into {path}: no such hardware file")
     report = {}
     for i, world in enumerate(args.world):
         measured = run(world)
@@ -176,11 +179,28 @@ def main() -> int:
                       f"  ms -> {f['alpha_us']:7.1f} us + bytes / {f['gbps']:.3f} GB/s, max error {f['max_error']:.0%}")
         print(toml_table(fitted))
         if args.into:
-            path = args.into[i]
-            path.write_text(with_table(path.read_text(), toml_table(fitted)))
+            write_into(args.into[i], toml_table(fitted))
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+        from trainer_bench import write_json
+
+        write_json(args.json, report)
     return 0
+
+
+def write_into(path: Path, table: str) -> None:
+    """``path`` with its native table replaced by ``table``: checked as the simulator reads it, then written whole
+    (a temporary file renamed over it), or left as it was."""
+    from shardwise.sim.hardware import read_sim_table
+
+    tmp = path.with_name(f".{path.name}.new")
+    tmp.write_text(with_table(path.read_text(), table))
+    try:
+        read_sim_table(tmp)
+    except Exception:
+        tmp.unlink()
+        raise
+    tmp.replace(path)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
