@@ -6,12 +6,15 @@
 1. Calibrate (for k = 2 and 4 ranks, all computing at once, as in the layouts): per rank, the matmul FLOP/s and
    the copy bandwidth of k concurrent single-threaded processes; gloo's links on loopback from the cost model's
    own calibration (:func:`shardwise.dist.comm.cost.calibrate`: alpha and beta of a ring shift, the native
-   all-reduce's per-call intercept); then the two numbers the roofline leaves open -- the matmuls' efficiency
-   and the cost of one operator (dispatch, autograd) -- fitted so the simulated step of one rank's share of the
-   batch equals k concurrent single-rank trainer runs, once as one micro-batch and once as micro-batches of one
-   sequence. Written as a --hardware
-   file per k (``[gpu.this-cpu-k]`` and ``[sim]``; communication does not overlap computation: k ranks keep the
-   2 cores busy). With root, the two namespace nodes' links (bench/bench_multinode.py's calibration).
+   all-reduce's per-call intercept); gloo's own all-reduce, all-gather, reduce-scatter and all-to-all for groups
+   of 2 and k ranks at 4 KiB .. 16 MiB, one line per collective and group size (``bench/gloo_collectives.py``:
+   what the simulator costs the collectives the engine hands to the backend by); then the two numbers the
+   roofline leaves open -- the matmuls' efficiency and the cost of one operator (dispatch, autograd) -- fitted
+   so the simulated step of one rank's share of the batch equals k concurrent single-rank trainer runs, once as
+   one micro-batch and once as micro-batches of one sequence. Written as a --hardware file per k
+   (``[gpu.this-cpu-k]``, ``[sim]`` and ``[sim.native_collectives]``; communication does not overlap
+   computation: k ranks keep the 2 cores busy). With root, the two namespace nodes' links
+   (bench/bench_multinode.py's calibration; no native table: those groups cross the shaped link).
 2. Run each layout of issue 27 with ``shardwise train`` (a 8-layer, d=256 GPT, fp32, 16 sequences of 128 tokens
    a step): the fastest step past warm-up (the median beside it), and for pipelines the bubble of the trainer's
    timeline.
@@ -20,6 +23,12 @@
 
 Timings on a machine shared with other work are noise: run it alone; the figures it prints then are the ones
 to quote.
+
+    python bench/sim_validate.py --simulate-only bench/results/sim_validate.json --hardware-dir DIR
+
+simulates again, without training or calibrating, every layout of a results file against its measured steps,
+with the hardware files in DIR (e.g. copies of the committed ones given a new ``[sim.native_collectives]`` by
+``bench/gloo_collectives.py --into``).
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "bench")]
+
+import gloo_collectives  # noqa: E402  (bench/, on the path above)
 
 MODEL = ["--model.n_layers", "8", "--model.d_model", "256", "--model.n_heads", "8", "--data.seq_len", "128",
          "--train.precision", "fp32", "--train.global_batch", "16", "--train.eval_every", "0", "--ckpt.every", "0",
@@ -99,8 +110,9 @@ def _probe(rank: int, world: int, port: int, out: str) -> None:
     native = model.native["all_reduce"][0]
     result = torch.tensor([flops, bandwidth, model.alpha, model.beta, native], dtype=torch.float64)
     dist.all_reduce(result, op=dist.ReduceOp.SUM)
+    collectives = gloo_collectives.measure(world)  # gloo's own collectives, groups of 2 and of world ranks
     if rank == 0:
-        Path(out).write_text(json.dumps((result / world).tolist()))
+        Path(out).write_text(json.dumps({"probe": (result / world).tolist(), "native": collectives}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -113,10 +125,13 @@ def probe(world: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     mp.spawn(_probe, args=(world, free_port(), out), nprocs=world)
-    flops, bandwidth, alpha, beta, native = json.loads(Path(out).read_text())
+    doc = json.loads(Path(out).read_text())
     os.unlink(out)
+    flops, bandwidth, alpha, beta, native = doc["probe"]
+    medians = {c: {int(n): t for n, t in by_n.items()} for c, by_n in doc["native"].items()}
     return {"flops": flops, "bandwidth": bandwidth, "alpha_s": alpha, "beta_s_per_byte": beta,
-            "native_all_reduce_intercept_s": native}
+            "native_all_reduce_intercept_s": native, "native_sizes": list(gloo_collectives.SIZES),
+            "native_median_s": medians, "native_collectives": gloo_collectives.fits(medians)}
 
 
 def hardware_file(path: Path, name: str, p: dict, efficiency: float = 1.0, overhead_s: float = 0.0,
@@ -138,7 +153,10 @@ def hardware_file(path: Path, name: str, p: dict, efficiency: float = 1.0, overh
         sim += ["nics_per_node = 1", f"nic_gbit = {8 / links['beta_node_s_per_byte'] / 1e9}"]
     else:
         lines += ["network_gbit = 1"]
-    path.write_text("\n".join(lines + [""] + sim) + "\n")
+    text = "\n".join(lines + [""] + sim) + "\n"
+    if p.get("native_collectives") and not links:  # measured on loopback: not the namespaces' links
+        text += "\n" + gloo_collectives.toml_table(p["native_collectives"])
+    path.write_text(text)
     return path
 
 
@@ -233,7 +251,11 @@ def main() -> int:
     ap.add_argument("--hardware-dir", type=Path, default=ROOT / "bench" / "results",
                     help="where the calibrated hardware files go (sim_this_machine_k<k>.toml)")
     ap.add_argument("--only", nargs="*", help="layout names to run (default: all)")
+    ap.add_argument("--simulate-only", type=Path, metavar="RESULTS.json",
+                    help="no training or calibration: simulate the layouts of RESULTS.json with --hardware-dir's files")
     args = ap.parse_args()
+    if args.simulate_only:
+        return resimulate(args.simulate_only, args.hardware_dir, args.json)
     result: dict = {"calibration": {}, "layouts": []}
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
@@ -274,6 +296,56 @@ def main() -> int:
     if args.plot:
         plot(result, args.plot)
     return 0
+
+
+def resimulate(results: Path, hardware_dir: Path, out: Path | None) -> int:
+    """Every layout of ``results`` simulated again with the hardware files of ``hardware_dir``, against the
+    measured steps there."""
+    rows = []
+    for row in json.loads(results.read_text())["layouts"]:
+        netns = row["layout"] == NETNS[0]
+        over = NETNS[2] if netns else next(o for name, _, o in LAYOUTS if name == row["layout"])
+        name = "this-cpu-netns" if netns else f"this-cpu-{row['ranks']}"
+        path = hardware_dir / ("sim_this_machine_netns.toml" if netns else f"sim_this_machine_k{row['ranks']}.toml")
+        res = simulate_layout(over, path, name, 2 if netns else 1, 2 if netns else row["ranks"])
+        error = res.step_time_s / row["measured_step_s"] - 1
+        bubble = "" if row.get("measured_bubble") is None else \
+            f"; bubble {row['measured_bubble']:.1%} measured, {res.bubble:.1%} simulated"
+        comm = ", ".join(f"{axis} {s * 1e3:.0f}" for axis, s in res.exposed_s.items())
+        print(f"{row['layout']:<20} measured {row['measured_step_s'] * 1e3:8.1f} ms, simulated "
+              f"{res.step_time_s * 1e3:8.1f} ms ({error:+.0%}); exposed comm ms: {comm}{bubble}", flush=True)
+        if row.get("measured_timeline"):
+            for line in timeline_breakdown(row["measured_timeline"]):
+                print("    " + line)
+        rows.append({"layout": row["layout"], "ranks": row["ranks"], "measured_step_s": row["measured_step_s"],
+                     "simulated_step_s": res.step_time_s, "error": error, "simulated_exposed_comm_s": res.exposed_s,
+                     "measured_bubble": row.get("measured_bubble"), "simulated_bubble": res.bubble,
+                     "algorithms": res.algorithms})
+    if out:
+        out.write_text(json.dumps({"measured_in": str(results), "hardware_dir": str(hardware_dir), "layouts": rows},
+                                  indent=1, default=str))
+    return 0
+
+
+def timeline_breakdown(doc: dict) -> list[str]:
+    """Where each pipeline rank's measured span went (the trainer's timeline: the same events its bubble is
+    computed from): computing (F/B/W, with the spread of their durations), waiting for a receive, posting
+    transfers, and the rest."""
+    out = []
+    for t in doc["timelines"]:
+        events = t["events"]
+        busy = [e["end"] - e["start"] for e in events if e["kind"] in ("F", "B", "W")]
+        forward = sorted(e["end"] - e["start"] for e in events if e["kind"] == "F")
+        wait = sum(e["end"] - e["start"] for e in events if e["kind"] == "wait")
+        posts = {(e["start"], e["end"]) for e in events if e["kind"] in ("send", "recv")}  # one batch: one interval
+        post = sum(b - a for a, b in posts)
+        span = t["end"] - t["start"]
+        longest = max(b - a for a, b in posts)
+        out.append(f"rank {t['rank']}: span {span * 1e3:.0f} ms = compute {sum(busy) * 1e3:.0f} + wait "
+                   f"{wait * 1e3:.0f} + posting {post * 1e3:.0f} ({len(posts)} batches, longest {longest * 1e3:.1f}) "
+                   f"+ other {(span - sum(busy) - wait - post) * 1e3:.0f}; F {forward[0] * 1e3:.0f} .. "
+                   f"{forward[-1] * 1e3:.0f} ms")
+    return out
 
 
 def _timeline(res) -> list[list[tuple]]:

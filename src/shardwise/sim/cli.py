@@ -50,6 +50,8 @@ def main(argv: list[str], overrides: dict[str, str]) -> int:
     for key, value in list(sim.items()):
         if key not in FIELDS:
             raise ConfigError(f"--sim.{key} is not a field of [sim]; valid: {', '.join(sorted(FIELDS))}")
+        if FIELDS[key] is dict:
+            raise ConfigError(f"--sim.{key} is a table: write it in the --hardware file ([sim.{key}])")
         try:
             sim[key] = FIELDS[key](value)
         except ValueError:
@@ -92,4 +94,6 @@ def _hardware_doc(hw) -> dict:
             "matmul_efficiency": hw.matmul_efficiency, "attention_efficiency": hw.attention_efficiency,
             "memory_efficiency": hw.memory_efficiency, "attention": hw.attention, "backend": hw.backend,
             "nic_bytes_per_s": hw.nic_bandwidth, "nics_per_node": hw.nics, "leaf_nodes": hw.leaf_nodes,
-            "oversubscription": hw.oversubscription}
+            "oversubscription": hw.oversubscription,
+            "native_collectives": [{"collective": line.collective, "ranks": line.ranks, "alpha_s": line.alpha,
+                                    "seconds_per_byte": line.seconds_per_byte} for line in hw.native_collectives]}

@@ -37,6 +37,22 @@ The GPU's peak FLOP/s, memory, NVLink and NIC bandwidths and latencies come from
                             its checkpoint (default 120)
 ==========================  ===========================================================================
 
+An optional table ``[sim.native_collectives]`` holds the backend's own collectives as measured on the machine
+(``bench/gloo_collectives.py`` fits it; ``bench/sim_validate.py`` writes it into its hardware files): per
+collective ("all-reduce", "all-gather", "reduce-scatter", "all-to-all") and group size, the line
+``seconds = alpha + bytes / bandwidth`` fitted by least squares on the median call times, with every rank of
+the calibration busy (groups of that size side by side), e.g. ::
+
+    [sim.native_collectives.all-gather]
+    2 = { alpha_us = 310.0, gbps = 0.12, max_error = 0.08 }
+
+``bytes`` as :meth:`shardwise.sim.network.Fabric.time` counts them (the vector of an all-reduce, the whole
+buffer of a gather, scatter or all-to-all); ``max_error`` is the fit's largest relative miss over the measured
+sizes (information only). A collective the engine hands to the backend is then costed by its line instead of
+by the algorithm on the links (:meth:`~shardwise.sim.network.Fabric.time` with ``native=True``); without a line
+for its collective and group size -- a GPU cluster, whose NCCL runs the algorithms the links model -- it is
+costed as before. Our own collectives on point-to-point messages never use it.
+
 Fat tree and rails: Leiserson 1985, "Fat-trees: universal networks for hardware-efficient
 supercomputing"; rail-optimised two-tier clusters as in NVIDIA's DGX SuperPOD reference architecture
 (one NIC per GPU, GPU i of every node on leaf switches of rail i).
@@ -58,14 +74,35 @@ HBM_GBPS = {"V100": 900.0, "A100-40GB": 1555.0, "A100-80GB": 2039.0, "H100": 335
 """Device memory bandwidth of the built-in GPUs, GB/s (the vendors' data sheets: V100 SXM2, A100 SXM4 40 and
 80 GB, H100 SXM5, H200 SXM, HGX B200)."""
 
+NATIVE_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+"""The backend's collectives a ``[sim.native_collectives]`` table may hold a line for."""
+NATIVE_KEYS = {"alpha_us": True, "gbps": True, "max_error": False}
+"""The fields of one line, and whether each is required."""
+
 FIELDS = {
     "hbm_gbps": float, "matmul_efficiency": float, "attention_efficiency": float, "memory_efficiency": float,
     "kernel_overhead_us": float, "step_overhead_ms": float, "call_latency_us": float, "attention": str,
     "backend": str, "overlap": bool, "nic_gbit": float, "nics_per_node": int, "leaf_nodes": int,
     "oversubscription": float,
     "node_bus_gbps": float, "pcie_gbps": float, "host_gbps": float, "nvme_gbps": float,
-    "storage_write_gbps": float, "storage_read_gbps": float, "restart_s": float,
+    "storage_write_gbps": float, "storage_read_gbps": float, "restart_s": float, "native_collectives": dict,
 }
+
+
+@dataclass(frozen=True)
+class NativeLine:
+    """One collective of the backend on groups of ``ranks``: ``alpha + bytes * seconds_per_byte`` seconds."""
+
+    collective: str
+    ranks: int
+    alpha: float
+    """Seconds per call."""
+    seconds_per_byte: float
+    max_error: float = 0.0
+    """The fit's largest relative miss over the calibration sizes (information only)."""
+
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha + nbytes * self.seconds_per_byte
 
 
 @dataclass(frozen=True)
@@ -103,6 +140,13 @@ class SimHardware:
     storage_write_bw: float = 100 * GB
     storage_read_bw: float = 200 * GB
     restart_s: float = 120.0
+    native_collectives: tuple[NativeLine, ...] = ()
+    """The backend's own collectives as measured (``[sim.native_collectives]``); empty: cost them by algorithm."""
+
+    def native_line(self, collective: str, ranks: int) -> NativeLine | None:
+        """The measured line of the backend's ``collective`` on groups of ``ranks``, if the hardware has one."""
+        return next((line for line in self.native_collectives
+                     if line.collective == collective and line.ranks == ranks), None)
 
     @property
     def world(self) -> int:
@@ -142,8 +186,33 @@ def read_sim_table(path: str | Path | None) -> dict:
             value = float(value)
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
             raise ConfigError(f"hardware file {p}: sim.{key}={value!r} must be a {kind.__name__}")
-        table[key] = value
+        table[key] = native_lines(value, p) if key == "native_collectives" else value
     return table
+
+
+def native_lines(table: dict, path: Path | str = "--hardware") -> tuple[NativeLine, ...]:
+    """The lines of a ``[sim.native_collectives]`` table, checked (one line naming the first bad entry)."""
+    where = f"hardware file {path}: sim.native_collectives"
+    out = []
+    for collective, by_ranks in table.items():
+        if collective not in NATIVE_COLLECTIVES:
+            raise ConfigError(f"{where}.{collective} is not a collective; valid: {', '.join(NATIVE_COLLECTIVES)}")
+        if not isinstance(by_ranks, dict):
+            raise ConfigError(f"{where}.{collective} must be a table of group sizes, e.g. 2 = {{ alpha_us = 100.0, "
+                              "gbps = 1.0 }")
+        for ranks, line in by_ranks.items():
+            name = f"{where}.{collective}.{ranks}"
+            if not ranks.isdigit() or int(ranks) < 2:
+                raise ConfigError(f"{name}: the key must be a group size >= 2")
+            if not isinstance(line, dict) or set(line) - set(NATIVE_KEYS) or \
+                    any(k not in line for k, needed in NATIVE_KEYS.items() if needed):
+                raise ConfigError(f"{name}={line!r} must be {{ alpha_us = ..., gbps = ... }} (max_error optional)")
+            if any(isinstance(v, bool) or not isinstance(v, int | float) for v in line.values()) or \
+                    line["alpha_us"] < 0 or line["gbps"] <= 0:
+                raise ConfigError(f"{name}={line!r}: alpha_us must be a number >= 0 and gbps one > 0")
+            out.append(NativeLine(collective, int(ranks), line["alpha_us"] * 1e-6, 1 / (line["gbps"] * GB),
+                                  float(line.get("max_error", 0.0))))
+    return tuple(out)
 
 
 def build_hardware(gpu_name: str, nodes: int, gpus_per_node: int, path: str | Path | None = None,
@@ -172,7 +241,8 @@ def build_hardware(gpu_name: str, nodes: int, gpus_per_node: int, path: str | Pa
         node_bus_bw=t.get("node_bus_gbps", 0.0) * GB, pcie_bw=t.get("pcie_gbps", 25.0) * GB,
         host_bw=t.get("host_gbps", 50.0) * GB, nvme_bw=t.get("nvme_gbps", 5.0) * GB,
         storage_write_bw=t.get("storage_write_gbps", 100.0) * GB,
-        storage_read_bw=t.get("storage_read_gbps", 200.0) * GB, restart_s=t.get("restart_s", 120.0))
+        storage_read_bw=t.get("storage_read_gbps", 200.0) * GB, restart_s=t.get("restart_s", 120.0),
+        native_collectives=t.get("native_collectives", ()))
     check(hw)
     return hw
 

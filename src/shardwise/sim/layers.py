@@ -15,7 +15,8 @@ What each technique sends per block and micro-batch is the engine's:
 * context parallelism (:mod:`shardwise.plan.context`'s volumes): the ring passes K and V to the next rank
   cp - 1 times in forward, and K, V again plus their fp32 gradients in backward, each transfer overlapping
   one block's attention compute (Liu et al. 2023, Algorithm 1) -- only what a transfer takes beyond the
-  block's compute is exposed; all-gather gathers K, V forward and reduce-scatters their gradients backward;
+  block's compute is exposed (all of it on hardware without overlap: CPU ranks whose cores all compute);
+  all-gather gathers K, V forward and reduce-scatters their gradients backward;
   Ulysses all-to-alls q, K, V and the output (Jacobs et al. 2023 §3), forward and backward.
 * expert parallelism: per MoE block the split sizes and the tokens out and back by all-to-all forward, two
   all-to-alls backward (GShard, Lepikhin et al. 2021 §3.2); with an imbalance, the busiest rank's share.
@@ -49,6 +50,7 @@ class LayerComm:
         self.imbalance = moe_imbalance
         self._cache: dict[tuple, list[Segment]] = {}
         self.tp, self.sp, self.cp, self.ep = p.tp, p.sequence_parallel, p.cp, p.ep
+        self.overlap = costs.hw.overlap
 
     # ---- per piece -------------------------------------------------------------------------------------
 
@@ -186,8 +188,10 @@ class LayerComm:
         heads, kv_heads = m.n_heads // self.tp, max(m.n_kv_heads // self.tp, 1)
         kv = 2 * c.batch * kv_heads * c.tokens * hd * self.elt
         core = c.core_cost()
-        if p.cp_algorithm == "ring":  # each transfer hides behind one block pair's compute
+        if p.cp_algorithm == "ring":  # each transfer hides behind one block pair's compute, where it can
             step = (core.fwd.seconds if phase == "F" else core.bwd.seconds) / self.cp
+            if not self.overlap:  # the transfer takes the cores the block pair computes on: nothing hides
+                step = 0.0
             send = self.comm("cp", "send-ring", kv)
             if phase == "F":
                 exposed = (self.cp - 1) * max(0.0, send - step)

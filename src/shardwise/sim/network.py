@@ -191,12 +191,20 @@ class Fabric:
             bool(np.all(np.diff(nodes) >= 0))
 
     def time(self, collective: str, groups: Sequence[Sequence[int]], nbytes: float,
-             algorithm: str | None = None) -> tuple[float, str]:
+             algorithm: str | None = None, native: bool = False) -> tuple[float, str]:
         """``(seconds, algorithm)`` of one call moving ``nbytes`` (the vector of an all-reduce, the whole
         buffer of a gather / scatter / all-to-all, the message of a send), with every group at once; the
-        hardware's per-call latency included. All-reduce: the cheaper of ring and two-level."""
+        hardware's per-call latency included. All-reduce: the cheaper of ring and two-level.
+
+        ``native``: the engine hands this call to the backend's own collective. If the hardware holds a
+        measured line for it and the group size (``[sim.native_collectives]``, see
+        :mod:`shardwise.sim.hardware`), that line is its cost (algorithm "native": measured with every rank of
+        the machine busy, so the groups beside it are in the line); else it is costed by the algorithm."""
         if nbytes <= 0 or not groups or len(groups[0]) < 2:
             return 0.0, "none"
+        line = self.hw.native_line(collective, len(groups[0])) if native else None
+        if line is not None:
+            return line.seconds(nbytes), "native"
         if algorithm is None:
             algorithm = "ring"
             if collective == "all-reduce" and self.two_level_possible(groups):

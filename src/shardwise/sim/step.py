@@ -88,21 +88,47 @@ class StepBuilder:
         lo, hi = r * self.per_stage, (r + 1) * self.per_stage
         return [g for g in self._groups[axis] if lo <= g[0] < hi]
 
-    def comm(self, axis: str, collective: str, nbytes: float, r: int = 0) -> float:
-        key = (axis, collective, nbytes, r)
+    def comm(self, axis: str, collective: str, nbytes: float, r: int = 0, native: bool | None = None) -> float:
+        """Seconds of one ``collective`` over ``axis`` (every group of pipeline rank ``r`` at once); ``native``:
+        whether the engine hands it to the backend (default: :meth:`hands_to_backend`)."""
+        key = (axis, collective, nbytes, r, native)
         if key not in self._comm_cache:
             groups = self.groups(axis, r)
-            algorithm = None
             if collective == "send-ring":  # every rank to the next of its group, at once
                 pairs = np.array(groups)
                 groups = np.stack([pairs.ravel(), np.roll(pairs, -1, axis=1).ravel()], axis=1).tolist()
                 collective = "send"
-            elif collective in ("reduce-scatter", "all-gather") and axis == "dp" and self.gloo_zero:
+            elif collective in ("reduce-scatter", "all-gather") and axis in ("dp_cp", "hpz") and self.gloo_zero:
                 collective = "pairwise"  # ZeRO's direct exchanges of blocks on gloo
-            seconds, algorithm = self.fabric.time(collective, groups, nbytes, algorithm)
+            if native is None:
+                native = self.hands_to_backend(axis, collective)
+            seconds, algorithm = self.fabric.time(collective, groups, nbytes, native=native)
             self.algorithms[f"{axis} {collective}"] = algorithm
             self._comm_cache[key] = seconds
         return self._comm_cache[key]
+
+    def hands_to_backend(self, axis: str, collective: str) -> bool:
+        """Whether the engine calls the backend's own collective here (costed by the hardware's measured line
+        when it has one) rather than one of ours on point-to-point messages (costed by its algorithm):
+
+        * ours: the pipeline's sends (``parallel/pipeline/transfer.py``), ring attention's K/V passes
+          (``parallel/context/ring.py``), ZeRO's reduce-scatters and all-gathers on gloo ("pairwise": direct
+          exchanges, ``parallel/zero/exchange.py``) and its "had a gradient" flags there (our ring; passed by
+          that site), the experts' all-to-all unless ``comm.algorithm`` is "native"
+          (``parallel/expert/dispatch.py``), and the gradient buckets' all-reduce unless it is "native"
+          (:attr:`native_buckets`, passed by the bucket sites);
+        * the backend's: tensor and sequence parallelism's all-reduce / all-gather / reduce-scatter
+          (``dist/functional.py``), the vocabulary-parallel loss, context parallelism's all-gather,
+          reduce-scatter and Ulysses all-to-all, ZeRO's collectives on NCCL, and every other small
+          synchronisation (loss, gradient norm, the pipeline's loss and timeline)."""
+        if axis == "ep" and collective == "all-to-all":
+            return self.cfg.comm.algorithm == "native"
+        return collective not in ("send", "pairwise")
+
+    @property
+    def native_buckets(self) -> bool:
+        """Whether the gradient buckets' all-reduce is the backend's (``comm.algorithm = "native"``)."""
+        return self.cfg.comm.algorithm == "native"
 
     def _comm_on(self, r: int):
         return lambda axis, collective, nbytes: self.comm(axis, collective, nbytes, r)
@@ -267,7 +293,8 @@ class StepBuilder:
                 nbytes = 4.0 * (rp.group_numel(g) + len(g))  # the gradients and one "had a gradient" flag each
                 axis = "edp" if rp.expert[g[0]] else "dp_cp"
                 t = self._comm_task([0], f"all-reduce bucket {launched}", "dp",
-                                    self.comm(axis, "all-reduce", nbytes), [previous], nbytes=nbytes)
+                                    self.comm(axis, "all-reduce", nbytes, native=self.native_buckets), [previous],
+                                    nbytes=nbytes)
             else:
                 t = self._reduce(0, g, [previous], f"reduce-scatter bucket {launched}")
                 if p.zero == 2 and self.fabric.hw.backend == "gloo":
@@ -315,14 +342,15 @@ class StepBuilder:
                     if p.zero == 0:
                         nbytes = 4.0 * (rp.group_numel(g) + len(g))
                         axis = "edp" if rp.expert[g[0]] else "dp_cp"
-                        deps.append(self._comm_task([r], f"all-reduce bucket {i}", "dp",
-                                                    self.comm(axis, "all-reduce", nbytes, r), [prev], nbytes=nbytes))
+                        seconds = self.comm(axis, "all-reduce", nbytes, r, native=self.native_buckets)
+                        deps.append(self._comm_task([r], f"all-reduce bucket {i}", "dp", seconds, [prev],
+                                                    nbytes=nbytes))
                     else:
                         deps.append(self._reduce(r, g, [prev], f"reduce-scatter bucket {i}"))
                 prev = self._task(r, "wait for gradients", "wait", [("wait", None, 0.0)], deps)
-            if p.zero and shard > 1:  # which parameters had a gradient (one uint8 each)
-                prev = self._blocking(r, "grad flags all-reduce", "dp", self.comm("dp_cp", "all-reduce",
-                                                                                 float(len(rp.names)), r), prev)
+            if p.zero and shard > 1:  # which parameters had a gradient (one uint8 each; our ring on gloo)
+                seconds = self.comm("dp_cp", "all-reduce", float(len(rp.names)), r, native=not self.gloo_zero)
+                prev = self._blocking(r, "grad flags all-reduce", "dp", seconds, prev)
             ends[r] = prev
         ends = self._sync(ends, "pp", "pipeline loss all-reduce", 8.0) if self.pp > 1 else ends
         ends = self._sync(ends, "pp", "timeline gather", 4096.0) if self.pp > 1 else ends
