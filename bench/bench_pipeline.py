@@ -6,7 +6,11 @@ every micro-batch, no optimizer) with our ``Pipeline`` and with torch's ``Pipeli
 ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``. After a warm-up the timed steps
 alternate ours/torch, the one going first rotating every step. The report is the median step time
 (slowest rank) of each, the ratio of the medians ours/torch and the median of per-step ratios; the
-losses of both are compared as a check. Our measured bubble and the theoretical one are reported too.
+losses of both are compared as a check. Our measured bubble and the theoretical one are reported too, with the
+bubble of the schedule replayed with our measured compute times and free communication
+(:func:`~shardwise.parallel.pipeline.timeline.replayed_bubble`; its makespan, ``ideal_s``, is the shortest step
+any executor of the schedule could take with these computations, so ``ratio_ideal_over_torch`` is the best
+ratio to torch reachable without making the stages' own forward and backward faster).
 
     python bench/bench_pipeline.py --nproc 2 --schedules gpipe 1f1b --steps 10
     python bench/bench_pipeline.py --nproc 2 4 --schedules gpipe 1f1b interleaved   # the full table
@@ -79,7 +83,8 @@ def _worker(rank: int, nproc: int, args, port: int, queue) -> None:
     from torch.distributed import pipelining as tpp
 
     from shardwise.dist import init_distributed
-    from shardwise.parallel.pipeline import Pipeline, bubble_fraction, build_stage, gather_timelines
+    from shardwise.parallel.pipeline import Pipeline, bubble_fraction, build_schedule, build_stage, gather_timelines
+    from shardwise.parallel.pipeline import replayed_bubble as replayed
     from shardwise.parallel.pipeline import theoretical_bubble as theory
     from shardwise.parallel.pipeline.partition import partition
 
@@ -120,7 +125,8 @@ def _worker(rank: int, nproc: int, args, port: int, queue) -> None:
 
         times = {"ours": [], "torch": []}
         losses = {"ours": [], "torch": []}
-        bubbles = []
+        bubbles, replays, ideal = [], [], []
+        actions = build_schedule(schedule, nproc, m, v)
         for step in range(args.warmup + args.steps):
             order = [("ours", run_ours), ("torch", run_peer)][:: 1 if step % 2 == 0 else -1]
             for name, fn in order:
@@ -131,7 +137,11 @@ def _worker(rank: int, nproc: int, args, port: int, queue) -> None:
                     times[name].append(seconds)
                     losses[name].append(loss)
                     if name == "ours":
-                        bubbles.append(bubble_fraction(gather_timelines(ours.timeline)))
+                        tls = gather_timelines(ours.timeline)
+                        bubble, makespan = replayed(tls, actions)
+                        bubbles.append(bubble_fraction(tls))
+                        replays.append(bubble)
+                        ideal.append(makespan)
             if step == args.warmup + args.steps - 1 and args.timeline_png and nproc == args.nproc[0] \
                     and schedule == args.schedules[-1]:
                 tls = gather_timelines(ours.timeline)
@@ -147,6 +157,8 @@ def _worker(rank: int, nproc: int, args, port: int, queue) -> None:
             "median_step_ratio": statistics.median(a / b for a, b in zip(times["ours"], times["torch"], strict=True)),
             "max_loss_diff": max(abs(a - b) for a, b in zip(losses["ours"], losses["torch"], strict=True)),
             "bubble_measured": statistics.median(bubbles), "bubble_theory": theory(nproc, m, v),
+            "bubble_replayed": statistics.median(replays), "ideal_s": statistics.median(ideal),
+            "ratio_ideal_over_torch": statistics.median(ideal) / med["torch"],
         }
     if rank == 0:
         queue.put(results)
@@ -180,11 +192,13 @@ def main(argv=None) -> dict:
         report["runs"][str(nproc)] = queue.get()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
-    print(f"{'ranks':>5} {'schedule':>12} {'ours ms':>9} {'torch ms':>9} {'ratio':>6} {'bubble':>7} {'theory':>7}")
+    print(f"{'ranks':>5} {'schedule':>12} {'ours ms':>9} {'torch ms':>9} {'ratio':>6} {'ideal ms':>9} {'bound':>6} "
+          f"{'bubble':>7} {'replay':>7} {'theory':>7}")
     for nproc, runs in report["runs"].items():
         for schedule, r in runs.items():
             print(f"{nproc:>5} {schedule:>12} {r['median_s']['ours'] * 1e3:9.1f} {r['median_s']['torch'] * 1e3:9.1f} "
-                  f"{r['ratio_ours_over_torch']:6.3f} {r['bubble_measured']:7.1%} {r['bubble_theory']:7.1%}")
+                  f"{r['ratio_ours_over_torch']:6.3f} {r['ideal_s'] * 1e3:9.1f} {r['ratio_ideal_over_torch']:6.3f} "
+                  f"{r['bubble_measured']:7.1%} {r['bubble_replayed']:7.1%} {r['bubble_theory']:7.1%}")
     print(f"wrote {args.json}")
     return report
 

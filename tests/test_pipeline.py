@@ -24,8 +24,11 @@ import torch.distributed as dist
 
 from shardwise.dist import ParallelDims
 from shardwise.parallel.pipeline import (
+    Event,
     Pipeline,
+    Timeline,
     balanced_split,
+    bubble_fraction,
     build_schedule,
     build_stage,
     check_pipeline,
@@ -34,6 +37,7 @@ from shardwise.parallel.pipeline import (
     global_grad_norm,
     manual_split,
     peak_live,
+    replayed_bubble,
     simulate,
     split_microbatches,
     theoretical_bubble,
@@ -132,6 +136,23 @@ def test_schedules_are_complete_deadlock_free_and_match_theory(p):
             assert peaks == [min(p - r, m) for r in range(p)]
         elif schedule == "gpipe":
             assert peaks == [m] * p
+
+
+def test_replayed_bubble_separates_unequal_stages_from_executing_cost():
+    """The replay keeps what unequal computations cost and drops what the run added between them."""
+    p, m, v = 2, 4, 2
+    acts = build_schedule("interleaved", p, m, v)
+    slow = {(0, "F", 1, i): 1.0 for i in range(m)}  # stage 2 (rank 0's 2nd chunk): forward twice the others'
+    makespan, spans = simulate(acts, t_f=1.0, t_b=2.0, durations=slow)
+    timelines = [Timeline(r, [Event(k, c * p + r, i, t0, t1) for k, c, i, t0, t1 in spans[r]], start=0.0,
+                          end=makespan) for r in range(p)]
+    replayed, replay_span = replayed_bubble(timelines, acts)
+    assert replay_span == pytest.approx(makespan) and replay_span >= 14.0  # rank 0 alone computes 14 units
+    assert replayed == pytest.approx(bubble_fraction(timelines)) and abs(replayed - theoretical_bubble(p, m, v)) > 0.02
+    late = [Timeline(t.rank, [Event(e.kind, e.stage, e.mb, e.start + 0.5, e.end + 0.5) for e in t.events],
+                     start=0.0, end=makespan + 1.0) for t in timelines]  # half a unit lost at each end
+    assert replayed_bubble(late, acts)[0] == pytest.approx(replayed)
+    assert bubble_fraction(late) > replayed
 
 
 def test_clear_errors_before_spawning():

@@ -85,6 +85,7 @@ def test_bubble_metrics_and_timeline(tmp_path, cache_dir):
     steps = [r for r in records if "loss" in r]
     assert all(r["bubble_theory"] == pytest.approx(1 / 5) for r in steps)
     assert all(0.0 <= r["bubble"] < 1.0 for r in steps)
+    assert all(0.0 <= r["bubble_replayed"] <= r["bubble"] for r in steps)  # communication only adds idle time
     assert all(r["pp_peak_live_0"] == 2 and r["pp_peak_live_1"] == 1 for r in steps)  # 1F1B: p - rank
     # Rank 0 (stage 0) sends 4 activations of [2, 32, 64] fp32 and its copy of the tied table's gradient
     # (vocabulary 257: 256 bytes + 1 special token).

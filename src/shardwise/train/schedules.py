@@ -31,6 +31,7 @@ from shardwise.parallel.pipeline import (
     Timeline,
     bubble_fraction,
     gather_timelines,
+    replayed_bubble,
     theoretical_bubble,
     zb_h1_bubble,
 )
@@ -117,10 +118,13 @@ class PipelineSchedule:
         return zb_h1_bubble(p, m) if self.schedule == "zb-h1" else theoretical_bubble(p, m, v)
 
     def step_metrics(self) -> dict[str, float]:
-        """Measured and theoretical bubble of the last step, and every stage rank's peak live activations."""
+        """Measured and theoretical bubble of the last step, the schedule's replayed with the step's compute times
+        and free communication (between the two: what the stages' unequal work adds to the theory, and what
+        executing the schedule adds to that), and every stage rank's peak live activations."""
         if not self.timelines:
             return {}
-        out = {"bubble": bubble_fraction(self.timelines), "bubble_theory": self.bubble_theory()}
+        out = {"bubble": bubble_fraction(self.timelines), "bubble_theory": self.bubble_theory(),
+               "bubble_replayed": replayed_bubble(self.timelines, self.pipe.all_actions)[0]}
         out.update({f"pp_peak_live_{t.rank}": float(t.peak_live) for t in self.timelines})
         return out
 
@@ -131,6 +135,7 @@ class PipelineSchedule:
         doc = {"step": step, "schedule": self.schedule, "pp": self.pipe.p, "microbatches": self.pipe.m,
                "virtual": len(self.pipe.chunks), "bubble": bubble_fraction(self.timelines),
                "bubble_theory": self.bubble_theory(),
+               "bubble_replayed": replayed_bubble(self.timelines, self.pipe.all_actions)[0],
                "timelines": [dataclasses.asdict(t) for t in self.timelines]}
         tmp = Path(run_dir) / "timeline.json.tmp"
         tmp.write_text(json.dumps(doc))

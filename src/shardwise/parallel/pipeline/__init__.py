@@ -45,6 +45,7 @@ _EXPORTS = {
     "manual_split": "shardwise.parallel.pipeline.partition",
     "peak_live": "shardwise.parallel.pipeline.schedules",
     "plot_gantt": "shardwise.parallel.pipeline.timeline",
+    "replayed_bubble": "shardwise.parallel.pipeline.timeline",
     "simulate": "shardwise.parallel.pipeline.schedules",
     "split_microbatches": "shardwise.parallel.pipeline.executor",
     "theoretical_bubble": "shardwise.parallel.pipeline.schedules",
@@ -56,7 +57,7 @@ __all__ = [
     "Action", "Event", "Pipeline", "SCHEDULES", "StageModule", "Timeline", "WeightGradStore", "balanced_split",
     "bubble_fraction", "build_schedule", "build_stage", "check_pipeline", "check_schedule", "chrome_trace",
     "clip_grad_norm", "compute_order", "defer_linear_weight_grads", "even_split", "gather_timelines",
-    "global_grad_norm", "layer_costs", "manual_split", "peak_live", "plot_gantt", "simulate",
+    "global_grad_norm", "layer_costs", "manual_split", "peak_live", "plot_gantt", "replayed_bubble", "simulate",
     "split_microbatches", "theoretical_bubble", "write_chrome_trace", "zb_h1_bubble",
 ]
 
@@ -88,6 +89,7 @@ if TYPE_CHECKING:
         chrome_trace,
         gather_timelines,
         plot_gantt,
+        replayed_bubble,
         write_chrome_trace,
     )
     from shardwise.parallel.pipeline.zero_bubble import WeightGradStore, defer_linear_weight_grads

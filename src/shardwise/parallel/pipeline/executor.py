@@ -103,7 +103,9 @@ class Pipeline:
         self.comm = P2P(list(stage_ranks), self.v, group, stats=self.comm_stats)
         self.rank = self.comm.rank
         self.n_stages = self.p * self.v
-        self.actions = build_schedule(schedule, self.p, n_microbatches, self.v)[self.rank]
+        self.all_actions = build_schedule(schedule, self.p, n_microbatches, self.v)
+        """Every pipeline rank's action list (a step is replayed on them: ``timeline.replayed_bubble``)."""
+        self.actions = self.all_actions[self.rank]
         self.d_model, self.act_dtype, self.device = d_model, act_dtype, torch.device(device)
         self.seq_shards = seq_shards
         self.timeline = Timeline(self.rank)

@@ -173,10 +173,14 @@ def peak_live(order: list[Action]) -> int:
 
 
 def simulate(actions: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,
-             t_w: float = 0.0) -> tuple[float, list[list[tuple]]]:
+             t_w: float = 0.0, durations: dict[tuple[int, str, int, int], float] | None = None,
+             ) -> tuple[float, list[list[tuple]]]:
     """Run the action lists with fixed compute times (per chunk), instant communication and
     non-blocking sends; return ``(makespan, per-rank [(kind, chunk, mb, start, end)])``.
     ``B`` costs ``t_b`` and ``W`` ``t_w`` (in a split backward ``t_b`` is the input-gradient half only).
+    ``durations`` (``(rank, kind, chunk, mb) -> seconds``), where given, replaces those times action by
+    action -- e.g. the times a run measured, to replay its computations without communication
+    (:func:`~shardwise.parallel.pipeline.timeline.replayed_bubble`).
 
     Raises ``RuntimeError`` if the schedule deadlocks (a receive whose send never happens)."""
     n = len(actions)
@@ -214,6 +218,8 @@ def simulate(actions: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,
                 pos[r], progressed = pos[r] + 1, True
             else:
                 dt = {F: t_f, B: t_b, W: t_w}[a.kind] / n_chunks
+                if durations is not None:
+                    dt = durations.get((r, a.kind, a.chunk, a.mb), dt)
                 spans[r].append((a.kind, a.chunk, a.mb, clock[r], clock[r] + dt))
                 clock[r] += dt
                 pos[r], progressed = pos[r] + 1, True

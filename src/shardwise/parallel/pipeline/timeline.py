@@ -4,7 +4,9 @@ A :class:`Timeline` holds one rank's events of one step -- ``F``/``B``/``W`` (co
 split-backward schedules), ``send``/``recv`` (posting communication) and ``wait`` (blocked on a
 receive) -- as ``(kind, stage, mb, start, end)`` with ``time.perf_counter`` seconds
 (``CLOCK_MONOTONIC`` on Linux, so comparable between processes of one machine).
-:func:`bubble_fraction` compares the busy time of every rank with the span of the whole step; the
+:func:`bubble_fraction` compares the busy time of every rank with the span of the whole step;
+:func:`replayed_bubble` replays the schedule with the measured compute times and free communication, which
+separates what the stages' unequal work costs from what executing the schedule costs. The
 theoretical value is :func:`~shardwise.parallel.pipeline.schedules.theoretical_bubble` (Narayanan et
 al. 2021 §2.2), or :func:`~shardwise.parallel.pipeline.schedules.zb_h1_bubble` for ZB-H1 (Qi et al.
 2024 §3.1). The Chrome trace follows the Trace Event Format ("X" complete events;
@@ -19,6 +21,8 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from shardwise.parallel.pipeline.schedules import Action, simulate
 
 COMPUTE = ("F", "B", "W")
 
@@ -65,6 +69,26 @@ def bubble_fraction(timelines: Sequence[Timeline]) -> float:
     if t1 <= t0:
         return 0.0
     return 1.0 - sum(t.busy() for t in timelines) / (len(timelines) * (t1 - t0))
+
+
+def replayed_bubble(timelines: Sequence[Timeline], actions: list[list[Action]]) -> tuple[float, float]:
+    """``(bubble, makespan)`` of the schedule ``actions`` (every rank's list, :func:`build_schedule`)
+    replayed with the compute times these timelines measured and free communication
+    (:func:`~shardwise.parallel.pipeline.schedules.simulate`).
+
+    It splits the measured bubble in two: ``replayed - theoretical`` is the idle time the schedule
+    itself has with these stages' unequal computations (an embedding or a loss on one stage, one
+    micro-batch slower than another), which the formula's equal stages leave out; ``measured - replayed``
+    is what executing it costs -- transfers, waiting on the transport, the executor's own Python.
+    ``makespan`` is the shortest step any executor of this schedule could take with these computations."""
+    p = len(timelines)
+    durations = {(t.rank, e.kind, e.stage // p, e.mb): e.end - e.start
+                 for t in timelines for e in t.events if e.kind in COMPUTE}
+    makespan, spans = simulate(actions, durations=durations)
+    if makespan <= 0:
+        return 0.0, 0.0
+    busy = sum(end - start for rank_spans in spans for *_, start, end in rank_spans)
+    return 1.0 - busy / (p * makespan), makespan
 
 
 def gather_timelines(timeline: Timeline, group=None) -> list[Timeline]:
