@@ -13,11 +13,14 @@
    so the simulated step of one rank's share of the batch equals k concurrent single-rank trainer runs, once as
    one micro-batch and once as micro-batches of one sequence. Written as a --hardware file per k
    (``[gpu.this-cpu-k]``, ``[sim]`` and ``[sim.native_collectives]``; communication does not overlap
-   computation: k ranks keep the 2 cores busy). With root, the two namespace nodes' links
-   (bench/bench_multinode.py's calibration; no native table: those groups cross the shaped link).
+   computation on one host: k ranks keep the 2 cores busy). With root, the two namespace nodes' links
+   (bench/bench_multinode.py's calibration; no native table: those groups cross the shaped link, whose
+   transfers do run beside the computation: ``network_overlap``, see :mod:`shardwise.sim.hardware`).
 2. Run each layout of issue 27 with ``shardwise train`` (a 8-layer, d=256 GPT, fp32, 16 sequences of 128 tokens
-   a step): the fastest step past warm-up (the median beside it), and for pipelines the bubble of the trainer's
-   timeline.
+   a step): the fastest step past warm-up (the median beside it), for pipelines the bubble of the trainer's
+   timeline, and for experts the routing's imbalance over the expert ranks in the same steps
+   (:func:`shardwise.sim.costs.routing_imbalance`: the simulator takes it as an input, as ``shardwise simulate
+   --moe-imbalance`` does; routing is the model's, not the cluster's).
 3. Simulate each with the calibrated hardware; the table, and a plot: step times side by side, and for each
    pipeline the simulated timeline of every rank under the measured one.
 
@@ -173,12 +176,16 @@ def train(tmp: Path, name: str, ranks: int, overrides: dict[str, str], steps: in
     return run_dir
 
 
-def measured(run_dir: Path) -> dict:
-    """The fastest step past warm-up (other work on the machine only adds time; the median beside it) and, for a
+def measured(run_dir: Path, ep: int = 1) -> dict:
+    """The fastest step past warm-up (other work on the machine only adds time; the median beside it), the
+    routing's imbalance over the ``ep`` expert ranks in the same steps (the simulator's input for it) and, for a
     pipeline, the trainer's timeline of its last recorded step."""
+    from shardwise.sim.costs import routing_imbalance
+
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r["step_time_s"] for r in records if r.get("step", 0) >= 3 and "step_time_s" in r]
-    out = {"step_time_s": min(steps), "median_step_time_s": statistics.median(steps)}
+    out = {"step_time_s": min(steps), "median_step_time_s": statistics.median(steps),
+           "moe_imbalance": routing_imbalance(records, ep, first_step=3)}
     timeline = run_dir / "timeline.json"
     if timeline.exists():
         doc = json.loads(timeline.read_text())
@@ -207,14 +214,15 @@ def solo_step(tmp: Path, k: int, steps: int, micro_batch: int) -> float:
 # ---- 3. the simulator -------------------------------------------------------------------------------------------
 
 
-def simulate_layout(overrides: dict[str, str], hw_file: Path, name: str, nodes: int, ranks_per_node: int, **sim):
+def simulate_layout(overrides: dict[str, str], hw_file: Path, name: str, nodes: int, ranks_per_node: int,
+                    moe_imbalance: float = 1.0, **sim):
     from shardwise.cli import split_overrides
     from shardwise.sim.hardware import build_hardware
     from shardwise.sim.simulate import load_config, simulate
 
     _, over = split_overrides(MODEL + flags(overrides))
     hw = build_hardware(name, nodes, ranks_per_node, hw_file, **sim)
-    return simulate(load_config(None, over, hw), hw)
+    return simulate(load_config(None, over, hw), hw, moe_imbalance)
 
 
 def fit_compute(hw_file: Path, name: str, k: int, big: float, small: float) -> tuple[float, float]:
@@ -276,10 +284,10 @@ def main() -> int:
         for name, ranks, over in LAYOUTS:
             if args.only and name not in args.only:
                 continue
-            m = measured(train(tmp, name, ranks, over, args.steps))
-            res = simulate_layout(over, *files[ranks], 1, ranks)
+            m = measured(train(tmp, name, ranks, over, args.steps), int(over.get("parallel.ep", 1)))
+            res = simulate_layout(over, *files[ranks], 1, ranks, m["moe_imbalance"])
             row = {"layout": name, "ranks": ranks, "measured_step_s": m["step_time_s"],
-                   "measured_median_step_s": m["median_step_time_s"],
+                   "measured_median_step_s": m["median_step_time_s"], "moe_imbalance": m["moe_imbalance"],
                    "simulated_step_s": res.step_time_s, "error": res.step_time_s / m["step_time_s"] - 1,
                    "measured_bubble": m.get("bubble"), "simulated_bubble": res.bubble,
                    "simulated_exposed_comm_s": res.exposed_s, "measured_timeline": m.get("timeline"),
@@ -307,7 +315,8 @@ def resimulate(results: Path, hardware_dir: Path, out: Path | None) -> int:
         over = NETNS[2] if netns else next(o for name, _, o in LAYOUTS if name == row["layout"])
         name = "this-cpu-netns" if netns else f"this-cpu-{row['ranks']}"
         path = hardware_dir / ("sim_this_machine_netns.toml" if netns else f"sim_this_machine_k{row['ranks']}.toml")
-        res = simulate_layout(over, path, name, 2 if netns else 1, 2 if netns else row["ranks"])
+        res = simulate_layout(over, path, name, 2 if netns else 1, 2 if netns else row["ranks"],
+                              row.get("moe_imbalance", 1.0))
         error = res.step_time_s / row["measured_step_s"] - 1
         bubble = "" if row.get("measured_bubble") is None else \
             f"; bubble {row['measured_bubble']:.1%} measured, {res.bubble:.1%} simulated"
@@ -318,7 +327,8 @@ def resimulate(results: Path, hardware_dir: Path, out: Path | None) -> int:
             for line in timeline_breakdown(row["measured_timeline"]):
                 print("    " + line)
         rows.append({"layout": row["layout"], "ranks": row["ranks"], "measured_step_s": row["measured_step_s"],
-                     "simulated_step_s": res.step_time_s, "error": error, "simulated_exposed_comm_s": res.exposed_s,
+                     "moe_imbalance": row.get("moe_imbalance", 1.0), "simulated_step_s": res.step_time_s,
+                     "error": error, "simulated_exposed_comm_s": res.exposed_s,
                      "measured_bubble": row.get("measured_bubble"), "simulated_bubble": res.bubble,
                      "algorithms": res.algorithms})
     if out:

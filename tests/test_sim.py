@@ -99,6 +99,39 @@ def test_two_ranks_bucket_all_reduce_hidden_or_not(b):
     assert (a0 < b) == (b == 5e-3)  # hidden with the long backward, not with the short one
 
 
+def test_transfers_between_nodes_run_beside_computation_where_the_nics_pace_them():
+    """CPU ranks (``overlap`` false): a collective inside a node takes the cores, one between nodes runs beside
+    the computation when ``network_overlap`` says the NICs pace it -- exactly as if the hardware overlapped
+    everything (dp 2 over two one-rank nodes: every bucket crosses), and serially without it."""
+    over = {"train.global_batch": "16", "train.micro_batch": "8", "parallel.bucket_mb": "0.05"}
+    b = 5e-3  # a long backward: the first buckets hide behind it where they may
+    overlapped, _ = run(cluster(nodes=2, gpus=1, overlap=True), over, b=b)
+    paced, builder = run(cluster(nodes=2, gpus=1, overlap=False, network_overlap=True), over, b=b)
+    serial, serial_builder = run(cluster(nodes=2, gpus=1, overlap=False, network_overlap=False), over, b=b)
+    assert paced == pytest.approx(overlapped, rel=1e-12)
+    buckets = [t for t in serial_builder.graph.tasks if t.name.startswith("all-reduce bucket")]
+    assert len(buckets) > 2 and all(t.stream == "compute" for t in buckets)
+    assert all(t.stream == "dp" for t in builder.graph.tasks if t.name.startswith("all-reduce bucket"))
+    loss = next(t for t in serial_builder.graph.tasks if t.kind != "F" and "loss" in t.name).duration
+    compute = 2 * (1e-3 + b) + 5e-4  # one micro-batch of 8 per rank through 2 blocks, then AdamW
+    assert serial == pytest.approx(compute + sum(t.duration for t in buckets) + loss, rel=1e-9)
+    assert paced < serial
+    one_node = [run(cluster(nodes=1, gpus=2, overlap=False, network_overlap=n), over, b=b)[0] for n in (True, False)]
+    assert one_node[0] == one_node[1], "inside a node nothing crosses a NIC"
+
+
+def test_routing_imbalance_from_a_runs_expert_loads():
+    """The busiest expert rank over the mean rank, per block and step, averaged (ranks hold consecutive experts)."""
+    from shardwise.sim.costs import routing_imbalance
+
+    records = [{"step": 1, "moe_load_layer0": [100, 0, 0, 0]},  # before first_step: left out
+               {"step": 3, "moe_load_layer0": [10, 2, 0, 4], "moe_load_layer1": [4, 4, 4, 4], "loss": 1.0},
+               {"step": 4, "moe_load_layer0": [0, 0, 3, 3], "moe_load_layer1": [1, 2, 3, 2]}]
+    assert routing_imbalance(records, ep=2, first_step=3) == pytest.approx((12 / 8 + 1 + 2 + 5 / 4) / 4)
+    assert routing_imbalance(records, ep=4, first_step=3) == pytest.approx((10 / 4 + 1 + 3 / 1.5 + 3 / 2) / 4)
+    assert routing_imbalance(records, ep=1) == 1.0 and routing_imbalance([{"step": 5, "loss": 2.0}], ep=2) == 1.0
+
+
 def test_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1():
     hw = cluster(gpus=4, intra=math.inf, alpha=0.0)
     p, m = 4, 8

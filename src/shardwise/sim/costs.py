@@ -153,3 +153,23 @@ def _router_ops(rows: int, m: ModelConfig, backward: bool = False) -> list[Op]:
 
 
 __all__ = ["RankCosts", "BlockCost", "PassCost", "mlp_trace"]
+
+
+def routing_imbalance(records: list[dict], ep: int, first_step: int = 1) -> float:
+    """The busiest expert rank's routed tokens over the mean rank's, from a run's ``metrics.jsonl`` records
+    (``moe_load_layer{i}``: the tokens routed to each expert in the step), averaged over the steps from
+    ``first_step`` and the mixture-of-experts blocks -- what :class:`RankCosts` takes as ``moe_imbalance``.
+
+    Rank j of an ep group holds experts ``j E/ep .. (j+1) E/ep - 1`` (``parallel/expert/dispatch.py``). The
+    all-to-alls meet in every block, so a step waits for each block's busiest rank: the mean of the per-block
+    ratios, not the ratio of the sums. 1.0 where the run has no expert loads or ``ep`` is 1."""
+    ratios = []
+    for r in records:
+        if r.get("step", 0) < first_step:
+            continue
+        for key, load in r.items():
+            if not key.startswith("moe_load_layer") or ep < 2 or sum(load) == 0:
+                continue
+            per_rank = [sum(load[j * len(load) // ep:(j + 1) * len(load) // ep]) for j in range(ep)]
+            ratios.append(max(per_rank) * ep / sum(per_rank))
+    return sum(ratios) / len(ratios) if ratios else 1.0

@@ -20,6 +20,12 @@ The GPU's peak FLOP/s, memory, NVLink and NIC bandwidths and latencies come from
 ``overlap``                 whether communication runs beside computation (default true: a GPU's copy
                             engines and NICs); false for CPU ranks whose cores all compute -- a collective
                             then takes the cores, and every transfer blocks the rank's computation
+``network_overlap``         whether a collective whose groups span nodes runs beside computation even where
+                            ``overlap`` is false (default true): its messages cross a NIC, which paces them
+                            while the sending cores compute (gloo's I/O threads post them; measured between
+                            this machine's namespaces over the 1 Gbit/s link: 4 ranks' direct exchange of
+                            6 MiB blocks, 208-309 ms alone, beside 332-368 ms of matrix products took
+                            368-400 ms, not their sum); a call the engine waits for at once still blocks
 ``backend``                 "nccl" (default) or "gloo": gloo runs ZeRO's collectives as pairwise exchanges
                             and waits for ZeRO-2/3 reduce-scatters at once (as the engine does on CPU)
 ``nic_gbit``                one NIC's bandwidth per direction, Gbit/s (default: the catalogue's per GPU)
@@ -82,8 +88,8 @@ NATIVE_KEYS = {"alpha_us": True, "gbps": True, "max_error": False}
 FIELDS = {
     "hbm_gbps": float, "matmul_efficiency": float, "attention_efficiency": float, "memory_efficiency": float,
     "kernel_overhead_us": float, "step_overhead_ms": float, "call_latency_us": float, "attention": str,
-    "backend": str, "overlap": bool, "nic_gbit": float, "nics_per_node": int, "leaf_nodes": int,
-    "oversubscription": float,
+    "backend": str, "overlap": bool, "network_overlap": bool, "nic_gbit": float, "nics_per_node": int,
+    "leaf_nodes": int, "oversubscription": float,
     "node_bus_gbps": float, "pcie_gbps": float, "host_gbps": float, "nvme_gbps": float,
     "storage_write_gbps": float, "storage_read_gbps": float, "restart_s": float, "native_collectives": dict,
 }
@@ -126,6 +132,7 @@ class SimHardware:
     attention: str = "flash"
     backend: str = "nccl"
     overlap: bool = True
+    network_overlap: bool = True
     nic_bw: float = 0.0
     """Bytes/s per NIC and direction (0: the catalogue's per-GPU network bandwidth)."""
     nics_per_node: int = 0
@@ -236,7 +243,8 @@ def build_hardware(gpu_name: str, nodes: int, gpus_per_node: int, path: str | Pa
         memory_efficiency=t.get("memory_efficiency", 0.80), kernel_overhead=t.get("kernel_overhead_us", 0.0) * 1e-6,
         step_overhead=t.get("step_overhead_ms", 0.0) * 1e-3, call_latency=t.get("call_latency_us", 0.0) * 1e-6,
         attention=t.get("attention", "flash"), backend=t.get("backend", "nccl"), overlap=t.get("overlap", True),
-        nic_bw=t.get("nic_gbit", 0.0) / 8 * GB, nics_per_node=t.get("nics_per_node", 0),
+        network_overlap=t.get("network_overlap", True), nic_bw=t.get("nic_gbit", 0.0) / 8 * GB,
+        nics_per_node=t.get("nics_per_node", 0),
         leaf_nodes=t.get("leaf_nodes", 32), oversubscription=t.get("oversubscription", 1.0),
         node_bus_bw=t.get("node_bus_gbps", 0.0) * GB, pcie_bw=t.get("pcie_gbps", 25.0) * GB,
         host_bw=t.get("host_gbps", 50.0) * GB, nvme_bw=t.get("nvme_gbps", 5.0) * GB,

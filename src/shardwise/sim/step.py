@@ -69,6 +69,7 @@ class StepBuilder:
         self._copies: dict[int, list[Task]] = {}
         """ZeRO-Offload's gradient copies to the host, per rank: the host's optimizer step waits for them."""
         self._groups: dict[str, list[list[int]]] = {}
+        self._crosses: dict[str, bool] = {}
         self.algorithms: dict[str, str] = {}
         """Which algorithm each (axis, collective) was costed with (the cheaper of ring and two-level)."""
 
@@ -106,6 +107,17 @@ class StepBuilder:
             self.algorithms[f"{axis} {collective}"] = algorithm
             self._comm_cache[key] = seconds
         return self._comm_cache[key]
+
+    def crosses_nodes(self, axis: str) -> bool:
+        """Whether some group of mesh axis ``axis`` has ranks on two nodes (ranks fill nodes in order)."""
+        if axis not in self._crosses:
+            g = self.fabric.hw.gpus_per_node
+            if axis == "hpz":
+                groups = [group for r in range(self.pp) for group in self.groups(axis, r)]
+            else:
+                groups = self._groups.setdefault(axis, self.dims.groups(axis))
+            self._crosses[axis] = any(len({rank // g for rank in group}) > 1 for group in groups)
+        return self._crosses[axis]
 
     def hands_to_backend(self, axis: str, collective: str) -> bool:
         """Whether the engine calls the backend's own collective here (costed by the hardware's measured line
@@ -161,11 +173,15 @@ class StepBuilder:
                                    segments=segments, args=args))
 
     def _comm_task(self, ranks, name: str, axis: str, seconds: float, deps=(), stream: str | None = None,
-                   nbytes: float = 0.0) -> Task:
+                   nbytes: float = 0.0, over: str | None = None) -> Task:
         """A collective on its stream (``stream``: another one, e.g. the compute stream of a blocking call);
-        on hardware that cannot overlap, always on the compute stream."""
+        on hardware that cannot overlap, on the compute stream -- unless it crosses nodes (the groups of mesh
+        axis ``over``, default ``axis``) and the hardware's NICs pace it beside the computation
+        (``network_overlap``)."""
+        hw = self.fabric.hw
+        beside = hw.overlap or (stream is None and hw.network_overlap and self.crosses_nodes(over or axis))
         axis = AXIS_OF.get(axis, axis)
-        stream = COMPUTE if not self.fabric.hw.overlap else (stream or axis)
+        stream = (stream or axis) if beside else COMPUTE
         return self.graph.add(Task(name, name, tuple(ranks), stream, seconds, list(deps), axis=axis, nbytes=nbytes))
 
     def pieces(self, stage: int) -> list:
@@ -294,7 +310,7 @@ class StepBuilder:
                 axis = "edp" if rp.expert[g[0]] else "dp_cp"
                 t = self._comm_task([0], f"all-reduce bucket {launched}", "dp",
                                     self.comm(axis, "all-reduce", nbytes, native=self.native_buckets), [previous],
-                                    nbytes=nbytes)
+                                    nbytes=nbytes, over=axis)
             else:
                 t = self._reduce(0, g, [previous], f"reduce-scatter bucket {launched}")
                 if p.zero == 2 and self.fabric.hw.backend == "gloo":
@@ -307,12 +323,14 @@ class StepBuilder:
         """A ZeRO-3 unit's all-gather; in backward with hpZ, inside the node from the secondary partitions."""
         nbytes = self.unit_bytes(r, unit, padded=True)
         axis = "hpz" if backward and self.cfg.parallel.zero_hpz > 1 else "dp_cp"
-        return self._comm_task([r], name, "dp", self.comm(axis, "all-gather", nbytes, r), deps, nbytes=nbytes)
+        return self._comm_task([r], name, "dp", self.comm(axis, "all-gather", nbytes, r), deps, nbytes=nbytes,
+                               over=axis)
 
     def _reduce(self, r: int, unit: list[int], deps, name: str) -> Task:
         """A unit's reduce-scatter; with ZeRO-Offload its gradient slice then goes to the host (a side stream)."""
         nbytes = self.unit_bytes(r, unit, padded=True)
-        rs = self._comm_task([r], name, "dp", self.comm("dp_cp", "reduce-scatter", nbytes, r), deps, nbytes=nbytes)
+        rs = self._comm_task([r], name, "dp", self.comm("dp_cp", "reduce-scatter", nbytes, r), deps, nbytes=nbytes,
+                             over="dp_cp")
         p = self.cfg.parallel
         if p.offload != "none":
             shard = 4.0 * -(-self.params[r].group_numel(unit) // (p.dp * p.cp))
@@ -344,7 +362,7 @@ class StepBuilder:
                         axis = "edp" if rp.expert[g[0]] else "dp_cp"
                         seconds = self.comm(axis, "all-reduce", nbytes, r, native=self.native_buckets)
                         deps.append(self._comm_task([r], f"all-reduce bucket {i}", "dp", seconds, [prev],
-                                                    nbytes=nbytes))
+                                                    nbytes=nbytes, over=axis))
                     else:
                         deps.append(self._reduce(r, g, [prev], f"reduce-scatter bucket {i}"))
                 prev = self._task(r, "wait for gradients", "wait", [("wait", None, 0.0)], deps)
