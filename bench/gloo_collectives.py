@@ -10,8 +10,9 @@ gloo's all-gather or reduce-scatter cost. So this times them: with ``world`` con
 each, as the trainer's ranks on this machine), for every group size n in (2, world) -- n = 2 under world 4 as
 two groups side by side, as a tp 2 layout on 4 ranks runs -- all-reduce, all-gather, reduce-scatter and
 all-to-all at sizes from 4 KiB to 16 MiB (``bytes`` as the simulator counts them: the vector of an
-all-reduce, the whole buffer of the others; each call made as the engine makes it, :func:`engine_call`), the
-median of each size's calls, the slowest rank's. Then per collective and group size the line
+all-reduce, the whole buffer of the others; each call made as the engine makes it, :func:`engine_call`, and
+after a few milliseconds of computation, as in a step: :data:`COMPUTE_S`), the median of each size's calls,
+the slowest rank's. Then per collective and group size the line
 ``alpha + bytes / bandwidth`` by least squares on relative residuals (:func:`shardwise.dist.comm.fit.fit_line`,
 Hockney 1994's two parameters), with its largest relative miss over the sizes (the fit's error).
 """
@@ -41,14 +42,23 @@ def reps(nbytes: int) -> int:
     return max(5, min(30, (8 << 20) // nbytes * 3))
 
 
-def measure(world: int, sizes=SIZES) -> dict[str, dict[int, list[float]]]:
+COMPUTE_S = 0.005
+"""The computation before each timed call: about what a layer of ``bench/sim_validate.py``'s model computes
+between two of tensor parallelism's collectives on this machine."""
+
+
+def measure(world: int, sizes=SIZES, compute_s: float = COMPUTE_S) -> dict[str, dict[int, list[float]]]:
     """On one of ``world`` ranks of the default (gloo) group: ``{collective: {n: [median seconds per size]}}``
     for every group size n in (2, world), the maximum over ranks (a collective ends when its slowest rank does).
-    Every rank must call it."""
+    Each timed call follows ``compute_s`` seconds of matrix products, as a collective in a training step
+    follows the computation that produced its input: the ranks arrive from their own work, one sooner than the
+    other, and the caches hold the products' data, not the buffer (0: calls back to back). Every rank must
+    call it."""
     import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
+    compute = computation(compute_s)
     out: dict[str, dict[int, list[float]]] = {c: {} for c in COLLECTIVES}
     for n in sorted({2, world}):
         if world % n:
@@ -63,6 +73,7 @@ def measure(world: int, sizes=SIZES) -> dict[str, dict[int, list[float]]]:
                 dist.barrier()
                 samples = []
                 for _ in range(reps(nbytes)):
+                    compute()
                     t0 = time.perf_counter()
                     call()
                     samples.append(time.perf_counter() - t0)
@@ -73,6 +84,26 @@ def measure(world: int, sizes=SIZES) -> dict[str, dict[int, list[float]]]:
         for g in groups:
             dist.destroy_process_group(g)
     return out
+
+
+def computation(seconds: float):
+    """A callable computing about ``seconds`` of 256 x 256 matrix products, the same number on every rank
+    (rank 0's count: ranks must not differ by design, only by the machine's own jitter)."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        torch.mm(a, b)
+    count = torch.tensor([round(seconds / ((time.perf_counter() - t0) / 20))])
+    dist.broadcast(count, 0)
+
+    def compute() -> None:
+        for _ in range(int(count)):
+            torch.mm(a, b)
+
+    return compute
 
 
 def engine_call(collective: str, nbytes: int, group, n: int):
