@@ -152,9 +152,6 @@ def _router_ops(rows: int, m: ModelConfig, backward: bool = False) -> list[Op]:
     return [mm, Op("mm", mm.flops, mm.bytes, True)] if backward else [mm]
 
 
-__all__ = ["RankCosts", "BlockCost", "PassCost", "mlp_trace"]
-
-
 def routing_imbalance(records: list[dict], ep: int, first_step: int = 1) -> float:
     """The busiest expert rank's routed tokens over the mean rank's, from a run's ``metrics.jsonl`` records
     (``moe_load_layer{i}``: the tokens routed to each expert in the step), averaged over the steps from
@@ -173,3 +170,7 @@ def routing_imbalance(records: list[dict], ep: int, first_step: int = 1) -> floa
             per_rank = [sum(load[j * len(load) // ep:(j + 1) * len(load) // ep]) for j in range(ep)]
             ratios.append(max(per_rank) * ep / sum(per_rank))
     return sum(ratios) / len(ratios) if ratios else 1.0
+
+
+__all__ = ["RankCosts", "BlockCost", "PassCost", "mlp_trace", "routing_imbalance"]
+
