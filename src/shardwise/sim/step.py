@@ -40,8 +40,9 @@ from shardwise.sim.network import Fabric
 from shardwise.sim.params import EMBED, HEAD, RankParams, meta_model, rank_params
 from shardwise.sim.tasks import COMPUTE, Graph, Task
 
-AXIS_OF = {"dp_cp": "dp", "edp": "dp"}
-"""Gradient reductions over dp x cp and over the expert replicas are shown as the data-parallel axis."""
+AXIS_OF = {"dp_cp": "dp", "edp": "dp", "hpz": "dp"}
+"""Gradient reductions and ZeRO's gathers over dp x cp, the expert replicas or hpZ's node subgroups are shown as
+the data-parallel axis."""
 ACT_BYTES = 4
 """The executor sends activations and their gradients in fp32 (``Pipeline(act_dtype=torch.float32)``)."""
 
@@ -173,13 +174,12 @@ class StepBuilder:
                                    segments=segments, args=args))
 
     def _comm_task(self, ranks, name: str, axis: str, seconds: float, deps=(), stream: str | None = None,
-                   nbytes: float = 0.0, over: str | None = None) -> Task:
-        """A collective on its stream (``stream``: another one, e.g. the compute stream of a blocking call);
-        on hardware that cannot overlap, on the compute stream -- unless it crosses nodes (the groups of mesh
-        axis ``over``, default ``axis``) and the hardware's NICs pace it beside the computation
-        (``network_overlap``)."""
+                   nbytes: float = 0.0) -> Task:
+        """A collective over the groups of mesh axis ``axis`` on its stream (``stream``: another one, e.g. the
+        compute stream of a blocking call); on hardware that cannot overlap, on the compute stream -- unless it
+        crosses nodes and the hardware's NICs pace it beside the computation (``network_overlap``)."""
         hw = self.fabric.hw
-        beside = hw.overlap or (stream is None and hw.network_overlap and self.crosses_nodes(over or axis))
+        beside = hw.overlap or (stream is None and hw.network_overlap and self.crosses_nodes(axis))
         axis = AXIS_OF.get(axis, axis)
         stream = (stream or axis) if beside else COMPUTE
         return self.graph.add(Task(name, name, tuple(ranks), stream, seconds, list(deps), axis=axis, nbytes=nbytes))
@@ -308,9 +308,9 @@ class StepBuilder:
             if p.zero == 0:
                 nbytes = 4.0 * (rp.group_numel(g) + len(g))  # the gradients and one "had a gradient" flag each
                 axis = "edp" if rp.expert[g[0]] else "dp_cp"
-                t = self._comm_task([0], f"all-reduce bucket {launched}", "dp",
+                t = self._comm_task([0], f"all-reduce bucket {launched}", axis,
                                     self.comm(axis, "all-reduce", nbytes, native=self.native_buckets), [previous],
-                                    nbytes=nbytes, over=axis)
+                                    nbytes=nbytes)
             else:
                 t = self._reduce(0, g, [previous], f"reduce-scatter bucket {launched}")
                 if p.zero == 2 and self.fabric.hw.backend == "gloo":
@@ -323,14 +323,12 @@ class StepBuilder:
         """A ZeRO-3 unit's all-gather; in backward with hpZ, inside the node from the secondary partitions."""
         nbytes = self.unit_bytes(r, unit, padded=True)
         axis = "hpz" if backward and self.cfg.parallel.zero_hpz > 1 else "dp_cp"
-        return self._comm_task([r], name, "dp", self.comm(axis, "all-gather", nbytes, r), deps, nbytes=nbytes,
-                               over=axis)
+        return self._comm_task([r], name, axis, self.comm(axis, "all-gather", nbytes, r), deps, nbytes=nbytes)
 
     def _reduce(self, r: int, unit: list[int], deps, name: str) -> Task:
         """A unit's reduce-scatter; with ZeRO-Offload its gradient slice then goes to the host (a side stream)."""
         nbytes = self.unit_bytes(r, unit, padded=True)
-        rs = self._comm_task([r], name, "dp", self.comm("dp_cp", "reduce-scatter", nbytes, r), deps, nbytes=nbytes,
-                             over="dp_cp")
+        rs = self._comm_task([r], name, "dp_cp", self.comm("dp_cp", "reduce-scatter", nbytes, r), deps, nbytes=nbytes)
         p = self.cfg.parallel
         if p.offload != "none":
             shard = 4.0 * -(-self.params[r].group_numel(unit) // (p.dp * p.cp))
@@ -361,8 +359,8 @@ class StepBuilder:
                         nbytes = 4.0 * (rp.group_numel(g) + len(g))
                         axis = "edp" if rp.expert[g[0]] else "dp_cp"
                         seconds = self.comm(axis, "all-reduce", nbytes, r, native=self.native_buckets)
-                        deps.append(self._comm_task([r], f"all-reduce bucket {i}", "dp", seconds, [prev],
-                                                    nbytes=nbytes, over=axis))
+                        deps.append(self._comm_task([r], f"all-reduce bucket {i}", axis, seconds, [prev],
+                                                    nbytes=nbytes))
                     else:
                         deps.append(self._reduce(r, g, [prev], f"reduce-scatter bucket {i}"))
                 prev = self._task(r, "wait for gradients", "wait", [("wait", None, 0.0)], deps)
