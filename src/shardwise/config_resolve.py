@@ -22,6 +22,8 @@ from shardwise.data import checks as data_checks
 from shardwise.dist import checks as dist_checks
 from shardwise.dist.comm import checks as comm_checks
 from shardwise.hf.checks import apply_init_from, check_init_from
+from shardwise.model import checks as model_checks
+from shardwise.model.checks import check_architecture
 from shardwise.model.presets import PRESETS
 from shardwise.parallel.context import checks as context_checks
 from shardwise.parallel.expert import checks as expert_checks
@@ -53,6 +55,7 @@ UNUSED: list[Callable[[Config], list[Unused]]] = [
                         f"model.flavor={cfg.model.flavor!r} does not use; use model.flavor='llama' or remove it"),
                   Unused("model.qk_norm", cfg.model.flavor == "llama", "normalises llama's query and key heads; "
                          f"model.flavor={cfg.model.flavor!r} has none; use model.flavor='llama' or remove it")],
+    model_checks.unused,
     expert_checks.unused,
     data_checks.unused,
     train_checks.unused,
@@ -113,10 +116,7 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
     if m.n_kv_heads is None:
         m.n_kv_heads = m.n_heads
     positive("model.n_kv_heads", m.n_kv_heads)
-    if m.d_model % m.n_heads:
-        raise ConfigError(
-            f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; use one of {divisors(m.d_model)}"
-        )
+    check_architecture(m)
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(
             f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}; "
@@ -125,8 +125,6 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
     if m.flavor in ("gpt2", "bert") and m.n_kv_heads != m.n_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: the {m.flavor} flavor has no grouped-query attention; "
                           f"use {m.n_heads} or model.flavor='llama'")
-    if m.flavor == "llama" and (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even for rotary embeddings")
     if m.d_ff is None:
         m.d_ff = 4 * m.d_model if m.flavor in ("gpt2", "bert") else 64 * math.ceil(8 * m.d_model / 3 / 64)
     positive("model.d_ff", m.d_ff)
