@@ -69,15 +69,17 @@ UNUSED: list[Callable[[Config], list[Unused]]] = [
 """Every technique's fields that a layout may not read, in the order they are checked."""
 
 
-def resolve(cfg: Config, world_size: int | None = None, tokenizer_vocab: int | None = None) -> Config:
+def resolve(cfg: Config, world_size: int | None = None, tokenizer_vocab: int | None = None,
+            weights: bool = True) -> Config:
     """A copy of ``cfg`` with every derived field filled in, or ConfigError.
 
     ``world_size`` defaults to ``parallel.nproc * parallel.nnodes``; ``tokenizer_vocab`` (when known) fills
-    ``model.vocab_size`` and is checked against it."""
+    ``model.vocab_size`` and is checked against it; ``weights=False`` (planning, simulating) reads an
+    ``model.init_from`` directory's config.json alone."""
     cfg = dataclasses.replace(
         cfg, **{f.name: dataclasses.replace(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     )
-    resolve_model(cfg.model, tokenizer_vocab)
+    resolve_model(cfg.model, tokenizer_vocab, weights)
     data_checks.check_source(cfg)
     _fill_data(cfg)
     _fill_device(cfg.run, cfg.parallel)
@@ -93,9 +95,10 @@ def resolve(cfg: Config, world_size: int | None = None, tokenizer_vocab: int | N
     return cfg
 
 
-def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
+def resolve_model(m: ModelConfig, tokenizer_vocab: int | None, weights: bool = True) -> None:
     """Fill the model section in place (an ``hf:`` directory's shape, the preset's sizes, the flavour's
-    defaults, the vocabulary from the tokenizer) and check its shape."""
+    defaults, the vocabulary from the tokenizer) and check its shape (and, with ``weights``, an ``hf:``
+    directory's tensors: a plan needs only its config.json)."""
     if m.init_from:
         apply_init_from(m)
     shape = (m.n_layers, m.d_model, m.n_heads)
@@ -148,7 +151,8 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
     positive("model.max_seq_len", m.max_seq_len)
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
-    check_init_from(m)  # the weights' names and shapes, before any worker starts
+    if weights:
+        check_init_from(m)  # the weights' names and shapes, before any worker starts
     positive("model.norm_eps", m.norm_eps)
     positive("model.init_std", m.init_std)
     if m.n_experts is None:

@@ -75,7 +75,7 @@ class RankCosts:
     def block(self, layer_id: int) -> BlockCost:
         """One block's forward and backward for one micro-batch (with recomputation in the backward)."""
         m, t = self.model, self.cfg.train
-        moe = is_moe_layer(layer_id, m.n_experts or 0, m.moe_every)
+        moe = is_moe_layer(layer_id, m.n_experts or 0, m.moe_every, m.moe_dense_first)
         full = t.recompute == "full" and layer_id % t.recompute_every == 0
         key = (moe, full)
         if key not in self._blocks:
