@@ -43,7 +43,8 @@ def trace_dims(cfg: Config) -> ParallelDims:
 
 def _first_moe(cfg: Config) -> int | None:
     m = cfg.model
-    return next((i for i in range(m.n_layers) if is_moe_layer(i, m.n_experts or 0, m.moe_every, m.moe_dense_first)), None)
+    moe = (i for i in range(m.n_layers) if is_moe_layer(i, m.n_experts or 0, m.moe_every, m.moe_dense_first))
+    return next(moe, None)
 
 
 def fits_here(cfg: Config, batch: int, moe: bool = False) -> bool:
