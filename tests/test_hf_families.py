@@ -67,15 +67,17 @@ def test_family_is_the_transformers_function_both_ways(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma2", "deepseek_v3"])
 def test_cached_decoding_is_the_whole_forward(kind, tmp_path):
-    """Greedy decoding with the key/value cache (a sliding window over cached keys, soft-capped scores, latent
-    attention's cached latents) gives the tokens of decoding without it, and transformers' own greedy tokens."""
+    """Greedy decoding of a left-padded batch with the key/value cache (a sliding window over cached keys, soft-capped
+    scores, latent attention's cached latents) gives each prompt's tokens of decoding it alone without a cache, and
+    transformers' own greedy tokens."""
     src = family_directory(kind, tmp_path / "src")
     _, ours = ours_from(src)
     prompts = [TOKENS[0, :9].tolist(), TOKENS[1, :4].tolist()]
-    cached = generate_batch(ours, prompts, 8, temperature=0)
-    assert cached == generate_batch(ours, prompts, 8, temperature=0, use_cache=False)
+    cached = generate_batch(ours, prompts, 4, temperature=0)
+    for prompt, tokens in zip(prompts, cached, strict=True):
+        assert generate_batch(ours, [prompt], 4, temperature=0, use_cache=False)[0] == tokens
     theirs = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
-    out = theirs.generate(TOKENS[:1, :9], max_new_tokens=8, do_sample=False, pad_token_id=0)
+    out = theirs.generate(TOKENS[:1, :9], max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out[0, 9:].tolist() == cached[0]
 
 
@@ -142,19 +144,54 @@ def test_an_export_the_family_cannot_say_is_refused(tmp_path):
         imported(src, **{"model.sliding_window": "4"})
 
 
-def test_a_trained_family_model_exports_as_trained(tmp_path):
-    """After our own training steps (single process), the export is the trained function in transformers."""
-    src = family_directory("gemma3_text", tmp_path / "src")
-    m, ours = ours_from(src)
-    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    ours.train()
-    for _ in range(3):
-        loss = ours(TOKENS[:, :-1], TOKENS[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    ours.eval()
-    out = export_model(ours.state_dict(), m, ByteTokenizer(), tmp_path / "out")
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+def test_image_text_gemma3_and_deepseek_extras_are_read_as_their_language_model(tmp_path):
+    """Gemma 3's image-text checkpoint (Gemma3ForConditionalGeneration, the released 4B-27B) imports as its language
+    model, the vision tower left out; DeepSeek-V3's multi-token-prediction layer (past num_hidden_layers) is left
+    out as transformers leaves it; quantized weights (DeepSeek-V3's released fp8) are refused in one line."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.hf_families import BASE
+
+    text = {**BASE, **FAMILIES["gemma3_text"][2], "final_logit_softcapping": None}  # the image-text class has none
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4)).eval()
+    model.save_pretrained(tmp_path / "gemma3")
+    m, ours = ours_from(tmp_path / "gemma3")
+    assert m.hf_model_type == "gemma3_text"
     with torch.no_grad():
-        torch.testing.assert_close(theirs(TOKENS).logits, ours(TOKENS), atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours(TOKENS), model(input_ids=TOKENS).logits, atol=1e-5, rtol=0)
+
+    src = family_directory("deepseek_v3", tmp_path / "dsv3")
+    tensors = load_file(src / "model.safetensors")
+    save_file({**tensors, "model.layers.3.eh_proj.weight": torch.zeros(32, 64)}, str(src / "model.safetensors"),
+              metadata={"format": "pt"})
+    _, ours = ours_from(src)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), theirs(TOKENS).logits, atol=1e-5, rtol=0)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ConfigError, match=r"^model.init_from=.*quantization_config.quant_method='fp8': quantized "
+                                          r"weights are not read"):
+        imported(src)
+
+
+def test_layouts_that_cannot_carry_a_feature_are_refused_in_one_line():
+    from tests.test_config_fields import resolve as resolve_fields
+
+    llama = {"model.flavor": "llama", "parallel.cp": 2}
+    for extra, message in [
+        ({"model.sliding_window": 4}, r"^parallel.cp_algorithm='ring' with model.sliding_window=4: the ring's blocks"),
+        ({"model.attn_softcap": 50.0}, r"^parallel.cp_algorithm='ring' with model.attn_softcap=50.0"),
+        ({"model.kv_lora_rank": 8, "model.rope_dim": 4, "model.head_dim": 12},
+         r"^parallel.cp_algorithm='ring' with model.kv_lora_rank=8: .* use 'allgather' or 'ulysses'"),
+        ({"parallel.cp": 1, "parallel.tp": 4, "parallel.nproc": 4, "model.n_heads": 8, "model.n_kv_heads": 2,
+          "model.qk_norm": True, "model.qk_norm_scope": "projection"},
+         r"^parallel.tp=4 with model.qk_norm_scope='projection' and model.n_kv_heads=2"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as e:
+            resolve_fields({**llama, **extra})
+        assert "\n" not in str(e.value)

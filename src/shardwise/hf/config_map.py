@@ -56,9 +56,15 @@ def model_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str, An
         return _bert_fields(hf, where)
     if kind in FAMILIES:
         return decoder_fields(hf, where)
+    if kind == "gemma3":  # Gemma 3's image-text checkpoints: the language model's text_config (its vision tower left)
+        text = {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **(hf.get("text_config") or {}),
+                "model_type": "gemma3_text"}
+        _require(text, "final_logit_softcapping", not text.get("final_logit_softcapping"),
+                 "use null (transformers' Gemma3ForConditionalGeneration does not apply it)", f"{where} text_config")
+        return decoder_fields(text, f"{where} text_config")
     archs = hf.get("architectures")
     raise HFError(f"{where}: model_type={kind!r} (architectures {archs}) is not supported; use one of "
-                  f"{', '.join(map(repr, ('gpt2', 'bert', *FAMILIES)))}")
+                  f"{', '.join(map(repr, ('gpt2', 'bert', *FAMILIES, 'gemma3')))}")
 
 
 def _require(hf: dict, key: str, ok: bool, valid: str, where: str) -> None:
