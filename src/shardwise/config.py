@@ -124,8 +124,9 @@ class ModelConfig:
     """With train.objective = "classify": classes of bert's [CLS] classifier (labels 0..n_classes-1)."""
     init_from: str = ""
     """Start from pretrained weights instead of the seeded initialisation: "hf:PATH", a transformers
-    directory (GPT2LMHeadModel or LlamaForCausalLM: config.json + safetensors) whose config.json gives the
-    model's shape; "" = initialise from train.seed."""
+    directory (config.json + safetensors: GPT-2, BERT, Llama, Qwen2/3, Qwen3-MoE, Mixtral, Mistral, Gemma 2/3,
+    OLMo 2, Phi-3, DeepSeek-V3) whose config.json gives the model's shape (planning needs the config.json
+    alone); "" = initialise from train.seed."""
     n_experts: int | None = None
     """Routed experts per mixture-of-experts block (shardwise.model.moe); 0 = dense; default the preset's (0)."""
     moe_top_k: int = 2
@@ -133,7 +134,8 @@ class ModelConfig:
     moe_every: int = 1
     """With n_experts > 0: every k-th block is MoE (the last of each run of k; 1 = every block)."""
     moe_shared: int = 0
-    """With n_experts > 0: shared experts every token passes through (DeepSeekMoE), one MLP of moe_shared*d_ff."""
+    """With n_experts > 0: shared experts every token passes through (DeepSeekMoE), one MLP of moe_shared times a
+    routed expert's width (moe_d_ff, or d_ff)."""
     moe_capacity_factor: float = 0.0
     """With n_experts > 0: expert capacity ceil(cf*k*tokens/E) per forward, overflow dropped; 0 = dropless."""
     moe_aux_coeff: float = 0.01

@@ -130,7 +130,7 @@ class _Reader:
 
     def zero(self, *keys: str) -> None:
         for key in keys:
-            self.require(key, not self.c.get(key), "use 0 (transformers trains it; our model.dropout is ours)"
+            self.require(key, not self.c.get(key), "use 0.0 (and our model.dropout for dropout in training)"
                          if "drop" in key else "use false")
 
 

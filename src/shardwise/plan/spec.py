@@ -43,7 +43,7 @@ class ModelSpec:
     """Every k-th block is MoE (the others dense); the parameter count honours it, the memory and
     communication models assume every block is MoE."""
     moe_shared: int = 0
-    """Shared experts (one MLP of moe_shared * d_ff) in each MoE block; counted as always active."""
+    """Shared experts (one MLP of moe_shared * expert_d_ff) in each MoE block; counted as always active."""
     moe_d_ff: int | None = None
     """Each routed expert's inner size (default d_ff)."""
     qk_norm: bool = False

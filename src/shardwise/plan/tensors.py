@@ -16,7 +16,7 @@ independent descriptions against each other:
 * **Mixture of experts** (Fedus et al. 2022, "Switch Transformers" §2; GShard's every-other-layer placement
   for ``moe_every`` 2): the MoE block's MLP is a bias-free router (E x h) and E experts of the flavour's
   MLP, each tensor stacked over the experts; ``moe_shared`` shared experts (DeepSeekMoE, Dai et al. 2024)
-  one MLP of ``moe_shared * d_ff``.
+  one MLP ``moe_shared`` times as wide as a routed expert.
 * The **BERT** flavour is planned as GPT-2 (its token-type table, embedding norm, MLM transform and output
   bias are left out, a documented gap); ``tests/test_plan_model.py`` lists the difference.
 

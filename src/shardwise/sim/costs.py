@@ -122,7 +122,7 @@ class RankCosts:
         mlp = rl.block_cost(self._traced(mlp_trace, self._routed(imbalance), self._d_expert)) + \
             BlockCost(rl.pass_cost(_router_ops(rows, m)), rl.pass_cost(_router_ops(rows, m, backward=True)), 0.0)
         if m.moe_shared:
-            mlp = mlp + rl.block_cost(self._traced(mlp_trace, rows, m.moe_shared * m.d_ff))
+            mlp = mlp + rl.block_cost(self._traced(mlp_trace, rows, m.moe_shared * self._d_expert))
         return mlp
 
     def core_cost(self) -> BlockCost:
