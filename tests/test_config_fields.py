@@ -75,6 +75,10 @@ def _context(dotted: str, value, tmp_path: Path) -> dict:
         return {"data.source": str(tmp_path)}
     if dotted == "model.moe_router":
         return {"model.n_experts": 4}
+    if dotted in ("model.norm_placement", "model.mlp_activation", "model.hf_model_type"):
+        return {"model.flavor": "llama"}
+    if dotted == "model.qk_norm_scope":
+        return {"model.flavor": "llama", "model.qk_norm": True}
     if dotted == "parallel.offload":
         return {"parallel.zero": 1}
     if dotted == "parallel.zero_param_dtype":
@@ -168,7 +172,7 @@ def test_choice_tuples_equal_their_consumers():
 
 
 FREE_TEXT = {"data.source", "data.text_field", "data.cache_dir", "parallel.offload_dir", "run.dir", "run.fault",
-             "parallel.rdzv_endpoint", "ps.straggler", "model.init_from", "data.label_field"}
+             "parallel.rdzv_endpoint", "ps.straggler", "model.init_from", "data.label_field", "model.rope_scaling"}
 """Text fields that are not a choice among names (paths, a column name, "RANK:MS")."""
 
 
@@ -212,6 +216,11 @@ class Refused:
 
 def reads(*files: str, pattern: str = "") -> Reads:
     return Reads(files, pattern)
+
+
+def llama_only(key: str, value) -> Refused:
+    """A field of the llama flavour's architecture, refused under the default gpt2 flavour."""
+    return Refused({f"model.{key}": value}, "model.flavor='gpt2' does not use it")
 
 
 NOT_IMPLEMENTED: set[str] = set()
@@ -258,6 +267,46 @@ PROOFS: dict[str, tuple] = {
                                     "but model.moe_router='softmax' has none")),
     "model.moe_d_ff": (reads("model/transformer.py"), Refused({"model.moe_d_ff": 32}, "but model.n_experts=0")),
     "model.qk_norm": (reads("model/transformer.py"), Refused({"model.qk_norm": True}, "model.flavor='gpt2' has none")),
+    "model.qk_norm_scope": (reads("model/transformer.py"), Refused({"model.flavor": "llama", "model.qk_norm_scope":
+                                                                    "projection"}, "model.qk_norm=false")),
+    "model.head_dim": (reads("model/transformer.py"), llama_only("head_dim", 16)),
+    "model.qkv_bias": (reads("model/transformer.py"), llama_only("qkv_bias", True)),
+    "model.rope_scaling": (reads("model/transformer.py"), llama_only("rope_scaling", "linear:factor=2"),
+                           Refused({"model.flavor": "llama", "model.rope_scaling": "dynamic:factor=2"},
+                                   "dynamic and longrope depend on each input's length")),
+    "model.rope_dim": (reads("model/transformer.py"),
+                       Refused({"model.flavor": "llama", "model.rope_dim": 3}, "must be even")),
+    "model.rope_local_theta": (reads("model/transformer.py"),
+                               Refused({"model.flavor": "llama", "model.rope_local_theta": 100.0},
+                                       "set model.sliding_window and model.sliding_global_every")),
+    "model.sliding_window": (reads("model/transformer.py"), llama_only("sliding_window", 8)),
+    "model.sliding_global_every": (reads("model/transformer.py"),
+                                   Refused({"model.flavor": "llama", "model.sliding_global_every": 2},
+                                           "model.sliding_window=0")),
+    "model.attn_scale_dim": (reads("model/transformer.py"), llama_only("attn_scale_dim", 24.0)),
+    "model.attn_softcap": (reads("model/transformer.py"), llama_only("attn_softcap", 50.0)),
+    "model.final_softcap": (reads("model/transformer.py"), llama_only("final_softcap", 30.0)),
+    "model.norm_placement": (reads("model/transformer.py"), llama_only("norm_placement", "sandwich")),
+    "model.norm_unit_offset": (reads("model/transformer.py"), llama_only("norm_unit_offset", True)),
+    "model.mlp_activation": (reads("model/transformer.py"), llama_only("mlp_activation", "gelu_tanh"),
+                             Refused({"model.flavor": "llama", "model.n_experts": 4, "model.mlp_activation":
+                                      "gelu_tanh"}, "our experts are SwiGLU")),
+    "model.embed_scale": (reads("model/transformer.py"), llama_only("embed_scale", True)),
+    "model.kv_lora_rank": (reads("model/transformer.py"), llama_only("kv_lora_rank", 8)),
+    "model.q_lora_rank": (reads("model/transformer.py"),
+                          Refused({"model.flavor": "llama", "model.q_lora_rank": 8}, "set model.kv_lora_rank")),
+    "model.v_head_dim": (reads("model/transformer.py"),
+                         Refused({"model.flavor": "llama", "model.v_head_dim": 8}, "set model.kv_lora_rank")),
+    "model.moe_dense_first": (reads("model/transformer.py"),
+                              Refused({"model.moe_dense_first": 1}, "but model.n_experts=0")),
+    "model.moe_groups": (reads("model/transformer.py"), Refused({"model.moe_groups": 2}, "but model.n_experts=0"),
+                         Refused({"model.n_experts": 4, "model.moe_groups": 3}, "does not divide model.n_experts=4")),
+    "model.moe_group_top_k": (reads("model/transformer.py"),
+                              Refused({"model.n_experts": 4, "model.moe_group_top_k": 2}, "model.moe_groups=1")),
+    "model.moe_gate_scale": (reads("model/transformer.py"),
+                             Refused({"model.moe_gate_scale": 2.5}, "but model.n_experts=0")),
+    "model.hf_model_type": (reads("hf/decoder_config.py"),
+                            llama_only("hf_model_type", "qwen3")),
     "data.source": (reads("data/cache.py"),),
     "data.format": (reads("data/cache.py"), Refused({"data.format": "jsonl"}, "data.source='stdlib'")),
     "data.text_field": (reads("data/cache.py"), Refused({"data.text_field": "body"}, "read as plain text")),

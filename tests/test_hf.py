@@ -153,7 +153,7 @@ def test_unsupported_or_mismatched_directories_are_named(tmp_path):
     bert = tmp_path / "bert"
     bert.mkdir()
     (bert / "config.json").write_text(json.dumps({**config, "model_type": "t5", "architectures": ["T5Model"]}))
-    with pytest.raises(ConfigError, match=r"^model.init_from='hf:.*model_type='t5' .* is not supported; use a "):
+    with pytest.raises(ConfigError, match=r"^model.init_from='hf:.*model_type='t5' .* is not supported; use one of "):
         _imported_config(bert)
     with pytest.raises(ConfigError, match=r"^model.init_from='gpt2': not a source we read; use 'hf:PATH'"):
         resolve(Config.load(overrides={"model.init_from": "gpt2"}), tokenizer_vocab=257)

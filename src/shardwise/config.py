@@ -59,6 +59,14 @@ CP_BALANCES = ("headtail", "none")
 """parallel.cp_balance (shardwise.parallel.context.layout.BALANCES)."""
 MOE_ROUTERS = ("softmax", "softmax_renorm", "sigmoid_bias")
 """model.moe_router (the same as shardwise.model.moe.ROUTERS, which needs torch)."""
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+"""model.norm_placement (shardwise.model.transformer.NORM_PLACEMENTS)."""
+QK_NORM_SCOPES = ("head", "projection")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+"""model.mlp_activation (shardwise.model.layers.GATED_ACTIVATIONS)."""
+HF_MODEL_TYPES = ("", "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "gemma2", "gemma3_text", "olmo2",
+                  "phi3", "deepseek_v3")
+"""model.hf_model_type: "" (implied by the fields) or a transformers model_type an export can write."""
 PS_CONSISTENCIES = ("bsp", "asp", "ssp")
 """ps.consistency (the same as shardwise.ps.consistency.MODES)."""
 PS_SCHEDULINGS = ("fifo", "priority")
@@ -66,6 +74,8 @@ PS_SCHEDULINGS = ("fifo", "priority")
 
 CHOICES: dict[str, tuple] = {
     "model.preset": PRESET_NAMES, "model.flavor": FLAVORS, "model.moe_router": MOE_ROUTERS,
+    "model.norm_placement": NORM_PLACEMENTS, "model.qk_norm_scope": QK_NORM_SCOPES,
+    "model.mlp_activation": MLP_ACTIVATIONS, "model.hf_model_type": HF_MODEL_TYPES,
     "data.format": DATA_FORMATS, "data.tokenizer": TOKENIZERS,
     "train.precision": PRECISIONS, "train.objective": OBJECTIVES, "train.recompute": RECOMPUTE_MODES,
     "parallel.zero": ZERO_STAGES, "parallel.offload": OFFLOADS,
@@ -114,8 +124,9 @@ class ModelConfig:
     """With train.objective = "classify": classes of bert's [CLS] classifier (labels 0..n_classes-1)."""
     init_from: str = ""
     """Start from pretrained weights instead of the seeded initialisation: "hf:PATH", a transformers
-    directory (GPT2LMHeadModel or LlamaForCausalLM: config.json + safetensors) whose config.json gives the
-    model's shape; "" = initialise from train.seed."""
+    directory (config.json + safetensors: GPT-2, BERT, Llama, Qwen2/3, Qwen3-MoE, Mixtral, Mistral, Gemma 2/3,
+    OLMo 2, Phi-3, DeepSeek-V3) whose config.json gives the model's shape (planning needs the config.json
+    alone); "" = initialise from train.seed."""
     n_experts: int | None = None
     """Routed experts per mixture-of-experts block (shardwise.model.moe); 0 = dense; default the preset's (0)."""
     moe_top_k: int = 2
@@ -123,7 +134,8 @@ class ModelConfig:
     moe_every: int = 1
     """With n_experts > 0: every k-th block is MoE (the last of each run of k; 1 = every block)."""
     moe_shared: int = 0
-    """With n_experts > 0: shared experts every token passes through (DeepSeekMoE), one MLP of moe_shared*d_ff."""
+    """With n_experts > 0: shared experts every token passes through (DeepSeekMoE), one MLP of moe_shared times a
+    routed expert's width (moe_d_ff, or d_ff)."""
     moe_capacity_factor: float = 0.0
     """With n_experts > 0: expert capacity ceil(cf*k*tokens/E) per forward, overflow dropped; 0 = dropless."""
     moe_aux_coeff: float = 0.01
@@ -141,7 +153,72 @@ class ModelConfig:
     moe_d_ff: int | None = None
     """With n_experts > 0: inner size of each routed expert (Qwen3-MoE's moe_intermediate_size); default d_ff."""
     qk_norm: bool = False
-    """With flavor = "llama": RMSNorm over each head's query and key before the rotary embedding (Qwen3)."""
+    """With flavor = "llama": RMSNorm over the queries and keys before the rotary embedding (Qwen3, OLMo 2)."""
+    qk_norm_scope: str = "head"
+    """With qk_norm: "head" (one norm of head_dim per query and key head: Qwen3, Gemma 3) or "projection" (one
+    norm over the whole q and k projections: OLMo 2)."""
+    head_dim: int | None = None
+    """With flavor = "llama": width of each attention head; q, k and v project to n_heads * head_dim (and
+    n_kv_heads * head_dim); default d_model / n_heads. With kv_lora_rank: the query-key width of a head
+    (DeepSeek's qk_nope_head_dim + qk_rope_head_dim)."""
+    qkv_bias: bool = False
+    """With flavor = "llama": biases on the q, k and v projections only (Qwen2)."""
+    rope_scaling: str = ""
+    """With flavor = "llama": rotary frequency scaling "KIND:key=value,...", the keys of a transformers rope
+    block: "linear:factor=F", "llama3:factor=8,low_freq_factor=1,high_freq_factor=4,
+    original_max_position_embeddings=8192" (Llama 3.1), "yarn:factor=F,original_max_position_embeddings=N[,
+    beta_fast=32,beta_slow=1,mscale=M,mscale_all_dim=A,attention_factor=X]"; "" = none
+    (shardwise.model.rope_scaling)."""
+    rope_dim: int | None = None
+    """With flavor = "llama": dims of each head the rotary embedding rotates, the leading ones (Phi-3's
+    partial_rotary_factor * head_dim); default all. With kv_lora_rank: the decoupled rotary part of each query and
+    key head (DeepSeek's qk_rope_head_dim), required."""
+    rope_local_theta: float = 0.0
+    """With sliding_window and sliding_global_every: the rotary base of the sliding blocks, unscaled (Gemma 3's
+    rope_local_base_freq); 0 = the global blocks' rotation."""
+    sliding_window: int = 0
+    """With flavor = "llama": a query attends to itself and the sliding_window - 1 positions before it (Mistral,
+    Gemma 2/3's local blocks); 0 = the whole prefix."""
+    sliding_global_every: int = 0
+    """With sliding_window: every k-th block (the last of each run of k) attends to the whole prefix (Gemma 2: 2,
+    Gemma 3: 6); 0 = every block slides."""
+    attn_scale_dim: float = 0.0
+    """With flavor = "llama": attention scores are q.k / sqrt(attn_scale_dim) (Gemma's query_pre_attn_scalar);
+    0 = sqrt(head_dim)."""
+    attn_softcap: float = 0.0
+    """With flavor = "llama": attention scores soft-capped to cap * tanh(score / cap) (Gemma 2); 0 = none."""
+    final_softcap: float = 0.0
+    """With flavor = "llama": output logits soft-capped to cap * tanh(logit / cap) (Gemma 2); 0 = none."""
+    norm_placement: str = "pre"
+    """With flavor = "llama": "pre" (x + f(norm(x))), "sandwich" (x + norm(f(norm(x))): Gemma 2/3) or "post"
+    (x + norm(f(x)): OLMo 2)."""
+    norm_unit_offset: bool = False
+    """With flavor = "llama": every RMSNorm scales by (1 + weight), its weights starting at 0 (Gemma)."""
+    mlp_activation: str = "silu"
+    """With flavor = "llama": the gate of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma)."""
+    embed_scale: bool = False
+    """With flavor = "llama": token embeddings multiplied by sqrt(d_model) (Gemma)."""
+    q_lora_rank: int = 0
+    """With kv_lora_rank: rank of the queries' low-rank projection (DeepSeek's q_lora_rank); 0 = one full
+    projection."""
+    kv_lora_rank: int = 0
+    """With flavor = "llama": multi-head latent attention (DeepSeek-V2/V3) with keys and values compressed to
+    this rank; 0 = ordinary attention."""
+    v_head_dim: int | None = None
+    """With kv_lora_rank: width of each value head (DeepSeek's v_head_dim); default head_dim."""
+    moe_dense_first: int = 0
+    """With n_experts > 0: the first k blocks keep a dense MLP of d_ff (DeepSeek-V3's first_k_dense_replace)."""
+    moe_groups: int = 1
+    """With n_experts > 0: experts cut into this many groups; a token picks its experts in its moe_group_top_k
+    best groups (DeepSeek-V3's n_group); 1 = no groups."""
+    moe_group_top_k: int = 1
+    """With moe_groups > 1: groups a token may pick experts from (DeepSeek-V3's topk_group)."""
+    moe_gate_scale: float = 1.0
+    """With n_experts > 0: the routed experts' gates multiplied by this (DeepSeek-V3's routed_scaling_factor)."""
+    hf_model_type: str = ""
+    """The transformers model_type `shardwise export --format hf` writes ("llama", "qwen2", "qwen3", "qwen3_moe",
+    "mixtral", "mistral", "gemma2", "gemma3_text", "olmo2", "phi3", "deepseek_v3"); "" = the one the model's
+    fields imply. model.init_from sets it from the directory's config.json."""
 
 
 @dataclass

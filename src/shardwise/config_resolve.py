@@ -22,6 +22,8 @@ from shardwise.data import checks as data_checks
 from shardwise.dist import checks as dist_checks
 from shardwise.dist.comm import checks as comm_checks
 from shardwise.hf.checks import apply_init_from, check_init_from
+from shardwise.model import checks as model_checks
+from shardwise.model.checks import check_architecture
 from shardwise.model.presets import PRESETS
 from shardwise.parallel.context import checks as context_checks
 from shardwise.parallel.expert import checks as expert_checks
@@ -53,6 +55,7 @@ UNUSED: list[Callable[[Config], list[Unused]]] = [
                         f"model.flavor={cfg.model.flavor!r} does not use; use model.flavor='llama' or remove it"),
                   Unused("model.qk_norm", cfg.model.flavor == "llama", "normalises llama's query and key heads; "
                          f"model.flavor={cfg.model.flavor!r} has none; use model.flavor='llama' or remove it")],
+    model_checks.unused,
     expert_checks.unused,
     data_checks.unused,
     train_checks.unused,
@@ -66,15 +69,17 @@ UNUSED: list[Callable[[Config], list[Unused]]] = [
 """Every technique's fields that a layout may not read, in the order they are checked."""
 
 
-def resolve(cfg: Config, world_size: int | None = None, tokenizer_vocab: int | None = None) -> Config:
+def resolve(cfg: Config, world_size: int | None = None, tokenizer_vocab: int | None = None,
+            weights: bool = True) -> Config:
     """A copy of ``cfg`` with every derived field filled in, or ConfigError.
 
     ``world_size`` defaults to ``parallel.nproc * parallel.nnodes``; ``tokenizer_vocab`` (when known) fills
-    ``model.vocab_size`` and is checked against it."""
+    ``model.vocab_size`` and is checked against it; ``weights=False`` (planning, simulating) reads an
+    ``model.init_from`` directory's config.json alone."""
     cfg = dataclasses.replace(
         cfg, **{f.name: dataclasses.replace(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     )
-    resolve_model(cfg.model, tokenizer_vocab)
+    resolve_model(cfg.model, tokenizer_vocab, weights)
     data_checks.check_source(cfg)
     _fill_data(cfg)
     _fill_device(cfg.run, cfg.parallel)
@@ -90,9 +95,10 @@ def resolve(cfg: Config, world_size: int | None = None, tokenizer_vocab: int | N
     return cfg
 
 
-def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
+def resolve_model(m: ModelConfig, tokenizer_vocab: int | None, weights: bool = True) -> None:
     """Fill the model section in place (an ``hf:`` directory's shape, the preset's sizes, the flavour's
-    defaults, the vocabulary from the tokenizer) and check its shape."""
+    defaults, the vocabulary from the tokenizer) and check its shape (and, with ``weights``, an ``hf:``
+    directory's tensors: a plan needs only its config.json)."""
     if m.init_from:
         apply_init_from(m)
     shape = (m.n_layers, m.d_model, m.n_heads)
@@ -113,10 +119,7 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
     if m.n_kv_heads is None:
         m.n_kv_heads = m.n_heads
     positive("model.n_kv_heads", m.n_kv_heads)
-    if m.d_model % m.n_heads:
-        raise ConfigError(
-            f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}; use one of {divisors(m.d_model)}"
-        )
+    check_architecture(m)
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(
             f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}; "
@@ -125,8 +128,6 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
     if m.flavor in ("gpt2", "bert") and m.n_kv_heads != m.n_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: the {m.flavor} flavor has no grouped-query attention; "
                           f"use {m.n_heads} or model.flavor='llama'")
-    if m.flavor == "llama" and (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even for rotary embeddings")
     if m.d_ff is None:
         m.d_ff = 4 * m.d_model if m.flavor in ("gpt2", "bert") else 64 * math.ceil(8 * m.d_model / 3 / 64)
     positive("model.d_ff", m.d_ff)
@@ -150,7 +151,8 @@ def resolve_model(m: ModelConfig, tokenizer_vocab: int | None) -> None:
     positive("model.max_seq_len", m.max_seq_len)
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
-    check_init_from(m)  # the weights' names and shapes, before any worker starts
+    if weights:
+        check_init_from(m)  # the weights' names and shapes, before any worker starts
     positive("model.norm_eps", m.norm_eps)
     positive("model.init_std", m.init_std)
     if m.n_experts is None:

@@ -5,19 +5,12 @@ before any worker starts.
 
 * ``gpt2`` <-> ``GPT2LMHeadModel`` (model_type "gpt2"): our GPT-2 flavour is the GPT-2 of Radford et al.
   2019 with the tanh GELU, i.e. ``activation_function = "gelu_new"``.
-* ``llama`` <-> ``LlamaForCausalLM`` (model_type "llama"): RMSNorm, SwiGLU, rotary positions in the
-  rotate-half layout (the layout of the ``transformers`` Llama checkpoints), grouped-query attention,
-  no biases.
+* ``llama`` <-> the decoder families of :mod:`shardwise.hf.decoders` (Llama 3.x, Qwen2/3, Qwen3-MoE, Mixtral,
+  Mistral, Gemma 2/3, OLMo 2, Phi-3, DeepSeek-V3): read there, written by :mod:`shardwise.hf.decoder_config`.
 * ``bert`` <-> ``BertForMaskedLM`` (model_type "bert"): post-norm encoder, exact GELU (``hidden_act = "gelu"``),
   absolute positions, two token types, the masked-LM head tied to the word embeddings; with
   ``model.n_classes`` <-> ``BertForSequenceClassification`` (pooler and classifier instead of the head).
-* ``llama`` with experts <-> ``MixtralForCausalLM`` (model_type "mixtral"; Jiang et al. 2024): every block
-  MoE, the ``softmax_renorm`` router, no shared experts, experts as wide as ``intermediate_size``;
-* ``llama`` with experts and QK-norm <-> ``Qwen3MoeForCausalLM`` (model_type "qwen3_moe"): ``decoder_sparse_step``
-  is ``moe_every``, ``moe_intermediate_size`` the experts' width (``moe_d_ff``), ``norm_topk_prob`` picks
-  ``softmax_renorm`` over ``softmax``; no shared experts. Neither has the ``sigmoid_bias`` router.
-
-Anything else (another ``model_type``, rope scaling, biases in Llama, another activation) is refused with
+Anything else (another ``model_type``, a rotary scaling we do not build, another activation) is refused with
 one line naming the key, its value and what we accept -- a silently different model would be worse.
 """
 
@@ -27,17 +20,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shardwise.hf.decoder_config import decoder_config
+from shardwise.hf.decoders import FAMILIES, HFError, decoder_fields
+
 HF_PREFIX = "hf:"
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM"}
 """Our flavour -> the ``transformers`` class an exported directory is loaded with."""
-MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-"""The ``transformers`` MoE model_type -> class (llama flavour with experts)."""
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 """The tanh approximation of GELU under its two ``transformers`` names (our GeluMLP)."""
-
-
-class HFError(ValueError):
-    """An HF directory we cannot map: the message is one line naming the file, key and value."""
 
 
 def hf_path(init_from: str) -> Path:
@@ -62,17 +52,19 @@ def model_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str, An
     kind = hf.get("model_type")
     if kind == "gpt2":
         return _gpt2_fields(hf, where)
-    if kind == "llama":
-        return _llama_fields(hf, where)
     if kind == "bert":
         return _bert_fields(hf, where)
-    if kind in MOE_ARCHITECTURES:
-        return _moe_fields(hf, where)
+    if kind in FAMILIES:
+        return decoder_fields(hf, where)
+    if kind == "gemma3":  # Gemma 3's image-text checkpoints: the language model's text_config (its vision tower left)
+        text = {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **(hf.get("text_config") or {}),
+                "model_type": "gemma3_text"}
+        _require(text, "final_logit_softcapping", not text.get("final_logit_softcapping"),
+                 "use null (transformers' Gemma3ForConditionalGeneration does not apply it)", f"{where} text_config")
+        return decoder_fields(text, f"{where} text_config")
     archs = hf.get("architectures")
-    names = [*ARCHITECTURES.values(), *MOE_ARCHITECTURES.values()]
-    raise HFError(f"{where}: model_type={kind!r} (architectures {archs}) is not supported; "
-                  f"use a {' / '.join(names)} directory (model_type 'gpt2', 'llama', 'bert', 'mixtral' or "
-                  "'qwen3_moe')")
+    raise HFError(f"{where}: model_type={kind!r} (architectures {archs}) is not supported; use one of "
+                  f"{', '.join(map(repr, ('gpt2', 'bert', *FAMILIES, 'gemma3')))}")
 
 
 def _require(hf: dict, key: str, ok: bool, valid: str, where: str) -> None:
@@ -91,50 +83,6 @@ def _gpt2_fields(hf: dict, where: str) -> dict[str, Any]:
                 d_ff=hf.get("n_inner") or 4 * d, vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
                 norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
-
-
-def rope_theta_of(hf: dict, where: str = "config.json") -> float:
-    """The rotary base: ``rope_theta`` (transformers 4) or ``rope_parameters.rope_theta`` (transformers 5);
-    any rope scaling is refused (our rotary embedding has none)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for key, block in (("rope_parameters", params), ("rope_scaling", scaling)):
-        kind = block.get("rope_type", block.get("type", "default"))
-        if kind != "default":
-            raise HFError(f"{where}: {key}.rope_type={kind!r} is not supported; only 'default' rotary embeddings")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-def _llama_fields(hf: dict, where: str) -> dict[str, Any]:
-    for key in ("attention_bias", "mlp_bias"):
-        _require(hf, key, not hf.get(key, False), "use false (our llama flavour has no biases)", where)
-    _require(hf, "hidden_act", hf.get("hidden_act", "silu") == "silu", "use 'silu'", where)
-    d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or d // heads
-    _require(hf, "head_dim", head_dim * heads == d, f"use hidden_size / num_attention_heads = {d // heads}", where)
-    return dict(flavor="llama", n_layers=hf["num_hidden_layers"], d_model=d, n_heads=heads,
-                n_kv_heads=hf.get("num_key_value_heads") or heads, d_ff=hf["intermediate_size"],
-                vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
-                norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta_of(hf, where),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
-
-
-def _moe_fields(hf: dict, where: str) -> dict[str, Any]:
-    """Mixtral and Qwen3-MoE: Llama's attention (Qwen3 with QK-norm) and dropless top-k experts."""
-    kind = hf["model_type"]
-    fields = _llama_fields({**hf, "mlp_bias": False}, where)
-    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", kind == "mixtral"):
-        _require(hf, "sliding_window", False, "use null (our attention has no sliding window)", where)
-    _require(hf, "router_jitter_noise", not hf.get("router_jitter_noise"), "use 0.0 (no router noise)", where)
-    experts = hf.get("num_local_experts", hf.get("num_experts"))
-    fields.update(n_experts=experts, moe_top_k=hf["num_experts_per_tok"], moe_shared=0)
-    if kind == "mixtral":
-        return {**fields, "moe_every": 1, "moe_router": "softmax_renorm", "moe_d_ff": None, "qk_norm": False}
-    _require(hf, "mlp_only_layers", not hf.get("mlp_only_layers"), "use [] (MoE blocks every decoder_sparse_step)",
-             where)
-    return {**fields, "moe_every": hf.get("decoder_sparse_step", 1), "qk_norm": True,
-            "moe_router": "softmax_renorm" if hf.get("norm_topk_prob", True) else "softmax",
-            "moe_d_ff": hf["moe_intermediate_size"]}
 
 
 def _bert_fields(hf: dict, where: str) -> dict[str, Any]:
@@ -157,20 +105,13 @@ def hf_config(m, eos_id: int | None = None, bos_id: int | None = None, dtype: st
     common = {"architectures": [ARCHITECTURES[m.flavor]], "model_type": m.flavor, "vocab_size": m.vocab_size,
               "tie_word_embeddings": bool(m.tie_embeddings), "torch_dtype": dtype,
               "bos_token_id": bos_id if bos_id is not None else eos_id, "eos_token_id": eos_id}
-    if getattr(m, "n_experts", 0):
-        return _moe_config(m, common)
     if m.flavor == "gpt2":
         return {**common, "n_layer": m.n_layers, "n_embd": m.d_model, "n_head": m.n_heads, "n_inner": m.d_ff,
                 "n_positions": m.max_seq_len, "n_ctx": m.max_seq_len, "layer_norm_epsilon": m.norm_eps,
                 "activation_function": "gelu_new", "resid_pdrop": m.dropout, "embd_pdrop": m.dropout,
                 "attn_pdrop": m.dropout, "scale_attn_weights": True, "use_cache": True}
     if m.flavor == "llama":
-        return {**common, "num_hidden_layers": m.n_layers, "hidden_size": m.d_model,
-                "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
-                "head_dim": m.d_model // m.n_heads, "intermediate_size": m.d_ff,
-                "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
-                "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}, "hidden_act": "silu",
-                "attention_bias": False, "mlp_bias": False, "attention_dropout": m.dropout, "use_cache": True}
+        return decoder_config(m, common)
     if m.flavor == "bert":
         if m.n_classes:  # the [CLS] classifier instead of the masked-LM head
             common = {**common, "architectures": ["BertForSequenceClassification"],
@@ -182,41 +123,3 @@ def hf_config(m, eos_id: int | None = None, bos_id: int | None = None, dtype: st
                 "hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": m.dropout,
                 "position_embedding_type": "absolute", "pad_token_id": None, "is_decoder": False}
     raise HFError(f"model.flavor={m.flavor!r} has no transformers export; use one of {tuple(ARCHITECTURES)}")
-
-
-def _moe_config(m, common: dict[str, Any]) -> dict[str, Any]:
-    """Mixtral's or Qwen3-MoE's config.json (see the module docstring for which fits which model)."""
-    def refuse(what: str) -> HFError:
-        return HFError(f"{what}: no transformers MoE class we export to (MixtralForCausalLM, Qwen3MoeForCausalLM) "
-                       "has it; export a model without it")
-
-    if m.flavor != "llama":
-        raise refuse(f"model.flavor={m.flavor!r} with model.n_experts={m.n_experts}: GELU experts")
-    if m.moe_shared:
-        raise refuse(f"model.moe_shared={m.moe_shared}: shared experts")
-    if m.moe_router == "sigmoid_bias":
-        raise refuse("model.moe_router='sigmoid_bias': the biased sigmoid router (DeepSeek-V3's, whose "
-                     "transformers class needs multi-head latent attention)")
-    llama = hf_config(_dense(m), common["eos_token_id"], common["bos_token_id"], common["torch_dtype"])
-    moe = {**llama, "num_experts_per_tok": m.moe_top_k, "router_aux_loss_coef": m.moe_aux_coeff,
-           "output_router_logits": False, "sliding_window": None}
-    for key in ("attention_bias", "mlp_bias"):
-        moe.pop(key)
-    if not getattr(m, "qk_norm", False):
-        if m.moe_every != 1 or (m.moe_d_ff or m.d_ff) != m.d_ff or m.moe_router != "softmax_renorm":
-            raise HFError(f"model.moe_every={m.moe_every}, model.moe_d_ff={m.moe_d_ff}, model.moe_router="
-                          f"{m.moe_router!r} without model.qk_norm: Mixtral needs moe_every 1, moe_d_ff = d_ff and "
-                          "'softmax_renorm' (Qwen3-MoE, which has the others, needs model.qk_norm=true)")
-        return {**moe, "architectures": [MOE_ARCHITECTURES["mixtral"]], "model_type": "mixtral",
-                "num_local_experts": m.n_experts, "router_jitter_noise": 0.0}
-    return {**moe, "architectures": [MOE_ARCHITECTURES["qwen3_moe"]], "model_type": "qwen3_moe",
-            "num_experts": m.n_experts, "moe_intermediate_size": m.moe_d_ff or m.d_ff,
-            "decoder_sparse_step": m.moe_every, "mlp_only_layers": [], "attention_bias": False,
-            "norm_topk_prob": m.moe_router == "softmax_renorm", "use_sliding_window": False}
-
-
-def _dense(m):
-    """``m`` without its experts (for the fields a MoE config shares with Llama's)."""
-    import dataclasses
-
-    return dataclasses.replace(m, n_experts=0) if dataclasses.is_dataclass(m) else m

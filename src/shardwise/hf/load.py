@@ -55,8 +55,14 @@ def check_directory(directory: Path, m) -> None:
 
 
 def check_model_fields(directory: Path, m) -> None:
-    """HFError when the resolved model fields ``m`` differ from the directory's config.json."""
-    fields = model_fields(read_hf_config(directory), f"{directory}/config.json")
+    """HFError when the resolved model fields ``m`` differ from the directory's config.json, or when its weights
+    are quantized (a plan reads such a config.json; training needs the weights themselves)."""
+    hf = read_hf_config(directory)
+    quant = (hf.get("quantization_config") or {}).get("quant_method")
+    if quant:
+        raise HFError(f"{directory}/config.json: quantization_config.quant_method={quant!r}: quantized weights are "
+                      "not read; convert the checkpoint to bf16 or fp32 first (e.g. DeepSeek's fp8_cast_bf16.py)")
+    fields = model_fields(hf, f"{directory}/config.json")
     for key, value in fields.items():
         if getattr(m, key) != value:
             raise HFError(f"model.{key}={getattr(m, key)!r} but {directory}/config.json gives {value!r}")

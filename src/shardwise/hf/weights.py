@@ -27,11 +27,26 @@ _TIED_HEADS = {"lm_head.weight", "cls.predictions.decoder.weight", "cls.predicti
 """Output heads a tied model may or may not save: never unexpected."""
 
 
+_LANGUAGE_MODEL = {"language_model.model.": "model.", "model.language_model.": "model.",
+                   "language_model.lm_head.": "lm_head."}
+"""An image-text checkpoint's language model (Gemma 3: the Hub's names, transformers 5's) under a text model's names."""
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+"""An image-text checkpoint's vision side: not part of the language model we train."""
+
+
 def normalize_name(name: str, m) -> str | None:
     """``name`` as :func:`to_hf` writes it (the Hub's base-model checkpoints, ``GPT2Model``'s ``h.0...`` or
-    ``LlamaModel``'s ``layers.0...``, lack the ``transformer.`` / ``model.`` prefix), or None for a buffer."""
-    if name.endswith(_DROPPED):
+    ``LlamaModel``'s ``layers.0...``, lack the ``transformer.`` / ``model.`` prefix), or None for a buffer, a
+    vision tower, or DeepSeek-V3's multi-token-prediction layers (past ``num_hidden_layers``: transformers leaves
+    them out as well)."""
+    if name.endswith(_DROPPED) or name.startswith(_OTHER_TOWERS):
         return None
+    for prefix, ours in _LANGUAGE_MODEL.items():
+        if name.startswith(prefix):
+            name = ours + name[len(prefix):]
+    if m.flavor == "llama" and m.kv_lora_rank and name.startswith("model.layers."):
+        if int(name.split(".")[2]) >= m.n_layers:
+            return None
     prefix = {"gpt2": "transformer.", "llama": "model.", "bert": "bert."}[m.flavor]
     keep = name.startswith((prefix, "cls.", "classifier.")) or name == "lm_head.weight"
     return name if keep else prefix + name

@@ -1,5 +1,6 @@
-"""Plain single-device model code: a transformer (GPT-2 and Llama decoders, a BERT encoder) and sampling
-(with a key/value cache).
+"""Plain single-device model code: a transformer (GPT-2 and Llama decoders -- the latter with the variations of
+the released families: head widths, rotary scaling, sliding windows, Gemma's norms and soft-caps, OLMo 2's norms,
+DeepSeek's latent attention -- and a BERT encoder) and sampling (with a key/value cache).
 
 Parallelism is applied from outside (``shardwise.parallel``); nothing here knows about it.
 
@@ -18,8 +19,9 @@ _EXPORTS = {
     "Block": "shardwise.model.transformer",
     "GeluMLP": "shardwise.model.layers",
     "KVCache": "shardwise.model.kv_cache",
+    "LatentAttention": "shardwise.model.mla",
     "RMSNorm": "shardwise.model.layers",
-    "RotaryEmbedding": "shardwise.model.layers",
+    "RotaryEmbedding": "shardwise.model.rope",
     "SwiGLU": "shardwise.model.layers",
     "Transformer": "shardwise.model.transformer",
     "generate_batch": "shardwise.model.generate",
@@ -27,14 +29,17 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "Attention", "Block", "GeluMLP", "KVCache", "RMSNorm", "RotaryEmbedding", "SwiGLU", "Transformer",
+    "Attention", "Block", "GeluMLP", "KVCache", "LatentAttention", "RMSNorm", "RotaryEmbedding", "SwiGLU",
+    "Transformer",
     "generate_batch", "initial_value",
 ]
 
 if TYPE_CHECKING:
     from shardwise.model.generate import generate_batch
     from shardwise.model.kv_cache import KVCache
-    from shardwise.model.layers import Attention, GeluMLP, RMSNorm, RotaryEmbedding, SwiGLU
+    from shardwise.model.layers import Attention, GeluMLP, RMSNorm, SwiGLU
+    from shardwise.model.mla import LatentAttention
+    from shardwise.model.rope import RotaryEmbedding
     from shardwise.model.transformer import Block, Transformer, initial_value
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

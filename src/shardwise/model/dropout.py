@@ -208,21 +208,3 @@ class AttentionDropout:
         index = [seqs, self.heads.index if heads is None else heads, queries, keys]
         return keep_mask(self.p, self.key, self.layer, "attn_probs", index, [self.heads.extent, seq_len, seq_len],
                          causal)
-
-
-def dropped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, p: float, *,
-                      causal: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax attention (Vaswani et al. 2017, eq. 1) of ``q [B, H, T, d]`` over ``k, v [B, Hkv, S, d]`` with
-    the drawn ``keep [B, H, T, S]`` applied to the probabilities (``scaled_dot_product_attention`` can only
-    draw its own). ``causal``: the top-left aligned triangle; ``mask`` (bool, True = may attend) otherwise."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:  # grouped-query attention: query head h uses key/value head h // rep
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    if causal:
-        t, s = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(t, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = scores.float().softmax(-1).to(v.dtype)
-    return torch.matmul(apply_keep(probs, keep, p), v)

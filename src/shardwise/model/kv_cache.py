@@ -24,6 +24,8 @@ class KVCache:
 
     def __init__(self, n_layers: int, batch: int, max_len: int, device: torch.device | str = "cpu"):
         self.max_len, self.length = max_len, 0
+        self.diagonal: torch.Tensor | None = None
+        self.key_positions: torch.Tensor | None = None
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.layers = [LayerCache(self) for _ in range(n_layers)]
         self.positions: torch.Tensor | None = None
@@ -40,9 +42,19 @@ class KVCache:
         self.positions = (before + valid.long().cumsum(1) - 1).clamp(min=0)
         keys = torch.arange(start + t, device=valid.device)
         queries = keys[start:, None]
-        self.mask = (self.valid[:, None, None, :start + t] & (keys <= queries)) | (keys == queries)
+        self.diagonal = keys == queries
+        self.mask = (self.valid[:, None, None, :start + t] & (keys <= queries)) | self.diagonal
+        self.key_positions = self.valid[:, :start + t].long().cumsum(1) - 1  # [B, S]: each slot's position
         self._new = t
         return self
+
+    def mask_within(self, window: int) -> torch.Tensor:
+        """The mask of the fed slots' queries, restricted to keys less than ``window`` positions before each
+        query (sliding-window attention; 0: none)."""
+        if not window:
+            return self.mask
+        near = self.positions[:, :, None] - self.key_positions[:, None, :] < window  # [B, T, S]
+        return (self.mask & near[:, None]) | self.diagonal  # a pad's own slot keeps its row finite
 
     def advance(self) -> None:
         """The fed slots are now cached (called by the model after its forward)."""
@@ -69,11 +81,16 @@ class LayerCache:
     def mask(self) -> torch.Tensor:
         return self.parent.mask
 
+    def mask_within(self, window: int) -> torch.Tensor:
+        return self.parent.mask_within(window)
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new slots' keys and values; return all of them so far."""
+        """Store the new slots' keys and values (``[B, H, new, d]`` each, their own ``H`` and ``d``: a latent
+        attention caches its compressed keys and values); return all of them so far."""
         if self.k is None:
-            shape = (k.shape[0], k.shape[1], self.parent.max_len, k.shape[3])
-            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+            slots = self.parent.max_len
+            self.k = k.new_empty(k.shape[0], k.shape[1], slots, k.shape[3])
+            self.v = v.new_empty(v.shape[0], v.shape[1], slots, v.shape[3])
         start, end = self.parent.length, self.parent.length + k.shape[2]
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v

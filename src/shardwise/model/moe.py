@@ -5,8 +5,8 @@ block's output is the sum of those experts' outputs weighted by their router pro
 (Shazeer et al. 2017, "Outrageously Large Neural Networks", §2; Fedus et al. 2022, "Switch
 Transformers", eq. 1-2; Jiang et al. 2024, "Mixtral of Experts", §2.1). Experts are the flavour's
 MLP (GELU for gpt2, exact GELU for bert, SwiGLU for llama); ``shared`` experts, which every token passes
-through, are one MLP of ``n_shared * d_ff`` width (Dai et al. 2024, "DeepSeekMoE", §3.2: shared experts
-concatenated).
+through, are one MLP ``n_shared`` times as wide as a routed expert (Dai et al. 2024, "DeepSeekMoE", §3.2:
+shared experts concatenated).
 
 Routing, exactly (:func:`assign`): the router (:mod:`shardwise.model.router`: ``softmax``, ``softmax_renorm``
 or ``sigmoid_bias``) gives each token its k experts in order of preference and their gates; then
@@ -65,10 +65,11 @@ def capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int | 
     return math.ceil(factor * top_k * n_tokens / n_experts)
 
 
-def is_moe_layer(layer_id: int, n_experts: int, every: int) -> bool:
+def is_moe_layer(layer_id: int, n_experts: int, every: int, dense_first: int = 0) -> bool:
     """Whether block ``layer_id`` has an MoE feed-forward: every ``every``-th block, the last of each run
-    (``every=2``: blocks 1, 3, 5, ... as in GShard's every-other-layer placement)."""
-    return n_experts > 0 and layer_id % every == every - 1
+    (``every=2``: blocks 1, 3, 5, ... as in GShard's every-other-layer placement), past the first ``dense_first``
+    blocks, which stay dense (DeepSeek-V3's ``first_k_dense_replace``, DeepSeek-AI 2024 §4.2)."""
+    return n_experts > 0 and layer_id >= dense_first and layer_id % every == every - 1
 
 
 class ExpertLinear(nn.Module):
@@ -256,20 +257,22 @@ class MoE(nn.Module):
     of the load-balancing and z losses of that forward (a scalar with a graph), and ``self.last``
     the routing, the balance probabilities and the two unweighted losses, for the model to add and record.
     ``layer_id``: the block's index in the model (it names the block's load in the metrics);
-    ``d_expert``: each routed expert's inner size (default ``d_ff``; the shared experts use ``d_ff``).
+    ``d_expert``: each routed (and shared) expert's inner size (default ``d_ff``); ``groups``, ``group_top_k``,
+    ``gate_scale``: the router's (:class:`~shardwise.model.router.Router`).
     """
 
     def __init__(self, d_model: int, d_ff: int, flavor: str, n_experts: int, top_k: int, *, n_shared: int = 0,
                  capacity_factor: float = 0.0, aux_coeff: float = 0.0, z_coeff: float = 0.0,
-                 router: str = "softmax", bias_rate: float = 0.0, layer_id: int = 0, d_expert: int | None = None):
+                 router: str = "softmax", bias_rate: float = 0.0, layer_id: int = 0, d_expert: int | None = None,
+                 groups: int = 1, group_top_k: int = 1, gate_scale: float = 1.0):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"model.moe_top_k={top_k} must be in 1..model.n_experts={n_experts}")
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_coeff, self.z_coeff, self.bias_rate, self.layer_id = aux_coeff, z_coeff, bias_rate, layer_id
-        self.router = Router(d_model, n_experts, router)
+        self.router = Router(d_model, n_experts, router, groups=groups, group_top_k=group_top_k, gate_scale=gate_scale)
         self.experts = Experts(n_experts, d_model, d_expert or d_ff, flavor)
-        width = n_shared * d_ff
+        width = n_shared * (d_expert or d_ff)
         gelu = self.experts.gelu
         self.shared = None if not n_shared else (
             GeluMLP(d_model, width, approximate=gelu) if gelu is not None else SwiGLU(d_model, width))

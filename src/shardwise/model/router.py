@@ -19,6 +19,11 @@ map, ``z = h W_r`` (fp32), and differs in how it turns the logits ``z`` into a c
   applies the same update to the same bias (:func:`update_expert_bias`). The bias is model state
   (a persistent buffer: checkpointed, loaded, exported), so no auxiliary loss is needed.
 
+Group-limited routing (DeepSeek-V3 §2.1.2 and its released configuration; DeepSeek-V2 §2.1.2, "device-limited
+routing"): the experts are cut into ``groups`` equal groups, each group scored by the sum of its two highest
+``s + b``; a token chooses its k experts among the ``group_top_k`` best groups only. ``gate_scale`` multiplies
+the gates (DeepSeek-V3's ``routed_scaling_factor``).
+
 For the auxiliary losses and the balance statistics, ``P_i`` (the router's mean probability of expert
 ``i``) is the softmax's for the first two and the normalised sigmoid scores ``s / sum_j s_j`` for
 ``sigmoid_bias`` (DeepSeek-V3 §2.1.2, eq. 18, the sequence-wise balance loss's ``s'``).
@@ -38,11 +43,14 @@ class Router(nn.Module):
     """``E`` expert scores per token: ``weight [E, d_model]``; with ``sigmoid_bias`` the buffer
     ``expert_bias [E]`` (fp32, zeros at the start) that only :func:`update_expert_bias` changes."""
 
-    def __init__(self, d_model: int, n_experts: int, kind: str = "softmax"):
+    def __init__(self, d_model: int, n_experts: int, kind: str = "softmax", *, groups: int = 1, group_top_k: int = 1,
+                 gate_scale: float = 1.0):
         super().__init__()
         if kind not in ROUTERS:
             raise ValueError(f"model.moe_router={kind!r} is not valid; use one of {', '.join(map(repr, ROUTERS))}")
-        self.kind = kind
+        if n_experts % groups or not 1 <= group_top_k <= groups:
+            raise ValueError(f"{groups} expert groups (top {group_top_k}) do not fit {n_experts} experts")
+        self.kind, self.groups, self.group_top_k, self.gate_scale = kind, groups, group_top_k, gate_scale
         self.weight = nn.Parameter(torch.empty(n_experts, d_model))
         self.register_buffer("expert_bias", torch.zeros(n_experts) if kind == "sigmoid_bias" else None)
 
@@ -61,17 +69,31 @@ class Router(nn.Module):
         gates, and the probabilities the balance statistics and the auxiliary loss use."""
         if self.kind == "sigmoid_bias":
             scores = logits.sigmoid()
-            experts = (scores + self.expert_bias.to(scores.device)).topk(top_k, dim=-1).indices
+            experts = self.limit_to_groups(scores + self.expert_bias.to(scores.device)).topk(top_k, dim=-1).indices
             gates = scores.gather(-1, experts)
-            return experts, gates / gates.sum(-1, keepdim=True), scores / scores.sum(-1, keepdim=True)
+            gates = gates / gates.sum(-1, keepdim=True)
+            return experts, gates * self.gate_scale, scores / scores.sum(-1, keepdim=True)
         probs = logits.softmax(dim=-1)
-        gates, experts = probs.topk(top_k, dim=-1)
+        gates, experts = self.limit_to_groups(probs).topk(top_k, dim=-1)
         if self.kind == "softmax_renorm":
             gates = gates / gates.sum(-1, keepdim=True)
-        return experts, gates, probs
+        return experts, gates * self.gate_scale, probs
+
+    def limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """``choice [N, E]`` with the experts outside each token's ``group_top_k`` best groups at -inf (a group
+        scores the sum of its two best entries); unchanged with one group."""
+        if self.groups == 1:
+            return choice
+        n, e = choice.shape
+        grouped = choice.view(n, self.groups, e // self.groups)
+        best = grouped.topk(min(2, e // self.groups), dim=-1).values.sum(-1)  # [N, groups]
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.group_top_k, dim=-1).indices, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[1]} -> {self.weight.shape[0]} experts, {self.kind}"
+        groups = f", top {self.group_top_k} of {self.groups} groups" if self.groups > 1 else ""
+        scale = f", gates x {self.gate_scale}" if self.gate_scale != 1 else ""
+        return f"{self.weight.shape[1]} -> {self.weight.shape[0]} experts, {self.kind}{groups}{scale}"
 
 
 @torch.no_grad()

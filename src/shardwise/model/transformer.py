@@ -38,9 +38,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.model.dropout import Dropout, DropoutKey
-from shardwise.model.layers import Attention, GeluMLP, RMSNorm, RotaryEmbedding, SwiGLU
+from shardwise.model.layers import Attention, GeluMLP, RMSNorm, SwiGLU
+from shardwise.model.mla import LatentAttention
 from shardwise.model.moe import MoE, is_moe_layer, moe_aux_loss, moe_layers
+from shardwise.model.rope import RotaryEmbedding
+from shardwise.model.rope_scaling import parse_rope_scaling, softmax_scale_factor
 from shardwise.model.router import Router
+from shardwise.model.scores import ScoreRule
 
 if TYPE_CHECKING:
     from shardwise.config import ModelConfig
@@ -53,10 +57,46 @@ RESIDUAL_OUTPUTS = frozenset({"o_proj", "fc_out", "down_proj"})
 _REQUIRED = ("flavor", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len")
 
 
-def _norm(cfg: ModelConfig) -> nn.Module:
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+"""``model.norm_placement`` (mirrored, without torch, in :data:`shardwise.config.NORM_PLACEMENTS`)."""
+
+
+def _norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
     if cfg.flavor in ("gpt2", "bert"):
         return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=True)
-    return RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return RMSNorm(dim or cfg.d_model, eps=cfg.norm_eps, unit_offset=getattr(cfg, "norm_unit_offset", False))
+
+
+def head_dim_of(cfg) -> int:
+    """The width of an attention head: ``model.head_dim``, or ``d_model / n_heads``."""
+    return getattr(cfg, "head_dim", None) or cfg.d_model // cfg.n_heads
+
+
+def is_sliding_layer(layer_id: int, window: int, global_every: int) -> bool:
+    """Whether block ``layer_id`` attends within a sliding window: every block with ``window > 0``, except the
+    last of each run of ``global_every`` blocks (Gemma 2: every other block; Gemma 3: five of six)."""
+    return window > 0 and (global_every <= 0 or (layer_id + 1) % global_every != 0)
+
+
+def score_rule(cfg: ModelConfig, layer_id: int) -> ScoreRule:
+    """Block ``layer_id``'s attention scores (:class:`~shardwise.model.scores.ScoreRule`): the query scale of
+    ``attn_scale_dim``, its sliding window, the soft-cap."""
+    window = cfg.sliding_window if is_sliding_layer(layer_id, cfg.sliding_window, cfg.sliding_global_every) else 0
+    scale = cfg.attn_scale_dim ** -0.5 if cfg.attn_scale_dim else None
+    return ScoreRule(scale=scale, window=window, softcap=cfg.attn_softcap)
+
+
+def _attention(cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding | None, gelu: bool, causal: bool) -> Attention:
+    if cfg.kv_lora_rank:  # DeepSeek's multi-head latent attention
+        scale = softmax_scale_factor(parse_rope_scaling(cfg.rope_scaling))
+        return LatentAttention(cfg.d_model, cfg.n_heads, q_rank=cfg.q_lora_rank, kv_rank=cfg.kv_lora_rank,
+                               nope_dim=cfg.head_dim - cfg.rope_dim, rope_dim=cfg.rope_dim,
+                               v_dim=cfg.v_head_dim or cfg.head_dim, rope=rope, eps=cfg.norm_eps, layer=layer_id,
+                               dropout=cfg.dropout, scale_factor=scale)
+    return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=gelu, dropout=cfg.dropout, rope=rope,
+                     causal=causal, layer=layer_id, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,
+                     head_dim=head_dim_of(cfg), qkv_bias=cfg.qkv_bias, rule=score_rule(cfg, layer_id),
+                     qk_norm_scope=cfg.qk_norm_scope, unit_offset=cfg.norm_unit_offset)
 
 
 class Block(nn.Module):
@@ -64,28 +104,39 @@ class Block(nn.Module):
     both residual branches (Radford et al. 2019 §2.3; Xiong et al. 2020 for the pre-norm layout); for
     bert post-norm, ``norm1(x + attn(x))`` then ``norm2(x + mlp(x))`` (Vaswani et al. 2017 §3.1).
 
+    ``model.norm_placement`` moves the llama flavour's norms: "sandwich" normalises each sub-layer's output
+    too, ``x + post_norm1(attn(norm1(x)))`` (Gemma 2 and 3, Gemma Team 2024 §2), and "post" normalises only
+    the output, ``x + norm1(attn(x))`` (OLMo 2, Team OLMo 2024 §3.1). The attention is a latent one with
+    ``model.kv_lora_rank`` (:mod:`shardwise.model.mla`); the feed-forward a mixture of experts in the blocks
+    :func:`~shardwise.model.moe.is_moe_layer` names.
+
     ``layer_id`` is the block's index in the full model; it names the block's parameters for
     initialisation and keys its dropout masks (:mod:`shardwise.model.dropout`), so a process holding only some
     blocks initialises them identically and draws the same masks.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding | None = None):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding | None = None,
+                 rope_local: RotaryEmbedding | None = None):
         super().__init__()
         gelu, self.post_norm = cfg.flavor in ("gpt2", "bert"), cfg.flavor == "bert"
+        self.placement = "pre" if gelu else cfg.norm_placement
         self.layer_id = layer_id
+        if rope_local is not None and is_sliding_layer(layer_id, cfg.sliding_window, cfg.sliding_global_every):
+            rope = rope_local  # Gemma 3: the local layers' own rotation
         self.norm1 = _norm(cfg)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=gelu, dropout=cfg.dropout, rope=rope,
-                              causal=not self.post_norm, layer=layer_id,
-                              qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None)
+        self.attn = _attention(cfg, layer_id, rope, gelu, causal=not self.post_norm)
         self.norm2 = _norm(cfg)
-        if is_moe_layer(layer_id, cfg.n_experts or 0, cfg.moe_every):
+        if self.placement == "sandwich":
+            self.post_norm1, self.post_norm2 = _norm(cfg), _norm(cfg)
+        if is_moe_layer(layer_id, cfg.n_experts or 0, cfg.moe_every, cfg.moe_dense_first):
             self.mlp = MoE(cfg.d_model, cfg.d_ff, cfg.flavor, cfg.n_experts, cfg.moe_top_k, n_shared=cfg.moe_shared,
                            capacity_factor=cfg.moe_capacity_factor, aux_coeff=cfg.moe_aux_coeff,
                            z_coeff=cfg.moe_z_coeff, router=cfg.moe_router, bias_rate=cfg.moe_bias_rate,
-                           layer_id=layer_id, d_expert=cfg.moe_d_ff)
+                           layer_id=layer_id, d_expert=cfg.moe_d_ff, groups=cfg.moe_groups,
+                           group_top_k=cfg.moe_group_top_k, gate_scale=cfg.moe_gate_scale)
         else:
             self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, bias=True, approximate="none" if self.post_norm else "tanh") \
-                if gelu else SwiGLU(cfg.d_model, cfg.d_ff, bias=False)
+                if gelu else SwiGLU(cfg.d_model, cfg.d_ff, bias=False, activation=cfg.mlp_activation)
         self.drop_attn = Dropout(cfg.dropout, "attn_out", layer_id)
         self.drop_mlp = Dropout(cfg.dropout, "mlp_out", layer_id)
 
@@ -95,8 +146,15 @@ class Block(nn.Module):
         if self.post_norm:
             x = self.norm1(x + self.drop_attn(self.attn(x, padding_mask=padding_mask, dropout_key=key), key))
             return self.norm2(x + self.drop_mlp(self.mlp(x), key))
-        attn = self.attn(self.norm1(x), dropout_key=key) if cache is None else self.attn(self.norm1(x),
-                                                                                            cache[self.layer_id])
+        if self.placement == "post":  # OLMo 2: the norms on the sub-layers' outputs
+            attn = self.attn(x, dropout_key=key) if cache is None else self.attn(x, cache[self.layer_id])
+            x = x + self.drop_attn(self.norm1(attn), key)
+            return x + self.drop_mlp(self.norm2(self.mlp(x)), key)
+        h = self.norm1(x)
+        attn = self.attn(h, dropout_key=key) if cache is None else self.attn(h, cache[self.layer_id])
+        if self.placement == "sandwich":
+            x = x + self.drop_attn(self.post_norm1(attn), key)
+            return x + self.drop_mlp(self.post_norm2(self.mlp(self.norm2(x))), key)
         x = x + self.drop_attn(attn, key)
         return x + self.drop_mlp(self.mlp(self.norm2(x)), key)
 
@@ -133,10 +191,13 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if gpt2 else None
-            head_dim = cfg.d_model // cfg.n_heads
-            self.rope = None if gpt2 else RotaryEmbedding(head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.rope = None if gpt2 else RotaryEmbedding(
+                cfg.rope_dim or head_dim_of(cfg), cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling,
+                interleaved=bool(cfg.kv_lora_rank))
+            self.rope_local = RotaryEmbedding(cfg.rope_dim or head_dim_of(cfg), cfg.max_seq_len,
+                                              cfg.rope_local_theta) if not gpt2 and cfg.rope_local_theta else None
             self.drop = Dropout(cfg.dropout, "embed")
-            self.blocks = nn.ModuleList(Block(cfg, i, self.rope) for i in range(cfg.n_layers))
+            self.blocks = nn.ModuleList(Block(cfg, i, self.rope, self.rope_local) for i in range(cfg.n_layers))
             if bert:  # token types, the embeddings' LayerNorm
                 self.type_emb = nn.Embedding(TOKEN_TYPES, cfg.d_model)
                 self.emb_norm = _norm(cfg)
@@ -166,6 +227,8 @@ class Transformer(nn.Module):
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x = self.tok_emb(tokens)
+        if self.cfg.embed_scale:  # Gemma: the embeddings times sqrt(d_model)
+            x = x * torch.tensor(self.cfg.d_model ** 0.5, dtype=x.dtype)
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(t, device=tokens.device) if positions is None else positions)
         if self.cfg.flavor == "bert":
@@ -183,6 +246,9 @@ class Transformer(nn.Module):
         if self.cfg.flavor == "bert":
             x = F.gelu(self.mlm_dense(x))
         logits = self.lm_head(self.norm_f(x))
+        cap = self.cfg.final_softcap
+        if cap:  # Gemma 2's final logit soft-capping (Gemma Team 2024, §2)
+            logits = torch.tanh(logits / cap) * cap
         if targets is None:
             return logits
         return self.loss_fn(logits, targets)
@@ -263,7 +329,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters_for_init():
             if p.is_meta:
                 continue
-            value = initial_value(name, p.shape, seed, init_std=self.cfg.init_std, n_layers=self.cfg.n_layers)
+            value = initial_value(name, p.shape, seed, **init_kwargs(self.cfg))
             p.copy_(value)
 
 
@@ -290,18 +356,24 @@ def param_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}:{name}".encode())
 
 
+def init_kwargs(cfg) -> dict:
+    """The keyword arguments of :func:`initial_value` for a model with fields ``cfg``."""
+    return {"init_std": cfg.init_std, "n_layers": cfg.n_layers,
+            "norm_gain": 0.0 if getattr(cfg, "norm_unit_offset", False) else 1.0}
+
+
 def initial_value(
-    name: str, shape: Sequence[int], seed: int, *, init_std: float = 0.02, n_layers: int = 1
+    name: str, shape: Sequence[int], seed: int, *, init_std: float = 0.02, n_layers: int = 1, norm_gain: float = 1.0
 ) -> torch.Tensor:
     """The initial value (fp32, CPU) of the parameter ``name`` of ``shape`` under the GPT-2 scheme
-    (Radford et al. 2019 §2.3): zeros for biases, ones for other 1-d tensors (norm gains),
-    N(0, init_std) for matrices and embeddings, with std / sqrt(2 * n_layers) for the residual
-    output projections. A layer that holds a shard of a parameter can take its slice of this."""
+    (Radford et al. 2019 §2.3): zeros for biases, ``norm_gain`` (1; 0 for norms that scale by ``1 + weight``)
+    for other 1-d tensors (norm gains), N(0, init_std) for matrices and embeddings, with std / sqrt(2 * n_layers)
+    for the residual output projections. A layer that holds a shard of a parameter can take its slice of this."""
     parts = name.split(".")
     if parts[-1] == "bias":
         return torch.zeros(shape, device="cpu")
     if len(shape) == 1:
-        return torch.ones(shape, device="cpu")
+        return torch.full(shape, norm_gain, device="cpu")
     std = init_std / math.sqrt(2 * n_layers) if len(parts) >= 2 and parts[-2] in RESIDUAL_OUTPUTS else init_std
     generator = torch.Generator().manual_seed(param_seed(seed, name))
     return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)

@@ -49,7 +49,7 @@ def materialize_parameters(part: nn.Module, model_cfg, seed: int, device: torch.
     ``values`` False (a pretrained model is loaded over them at once: ``model.init_from``): the pieces are
     allocated and left uninitialised, so no rank computes the full initial value of a tensor it holds a slice of
     (the loader refuses a state that misses any of them)."""
-    from shardwise.model.transformer import initial_value
+    from shardwise.model.transformer import init_kwargs, initial_value
     from shardwise.parallel.tensor.state import shard_info
 
     names = init_names(model_cfg)
@@ -61,8 +61,7 @@ def materialize_parameters(part: nn.Module, model_cfg, seed: int, device: torch.
         if values:
             info = shard_info(p)
             full_shape = tuple(info.full_shape) if info is not None else tuple(p.shape)
-            value = initial_value(names[_canonical(name)], full_shape, seed, init_std=model_cfg.init_std,
-                                  n_layers=model_cfg.n_layers)
+            value = initial_value(names[_canonical(name)], full_shape, seed, **init_kwargs(model_cfg))
             if info is not None and info.dim is not None:
                 value = info.take(value, p.shape[info.dim])
             value = value.to(device=device, dtype=p.dtype)

@@ -244,7 +244,7 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
     s_local = s // lay.cp
     act = lay.micro_batch * s_local * m.d_model * act_bytes
     layers = m.n_layers // lay.pp
-    moe_layers = m.n_layers // m.moe_every // lay.pp if m.n_experts else 0
+    moe_layers = m.moe_blocks // lay.pp
     fwd_passes = 2 if lay.recompute == "full" else 1
     if lay.tp > 1:
         per_pass = (2 * layers - moe_layers) * mb  # attention and dense MLPs; a MoE block is whole on every tp rank

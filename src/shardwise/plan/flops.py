@@ -30,8 +30,12 @@ def matmul_params(m: ModelSpec) -> int:
 
 
 def attention_flops_per_token(m: ModelSpec, seq_len: int) -> float:
-    """12·L·d·T: attention scores and weighted values, forward and backward (PaLM Appendix B)."""
-    return 12.0 * m.n_layers * m.d_model * seq_len
+    """12·L·d·T: attention scores and weighted values, forward and backward (PaLM Appendix B), with the heads'
+    own widths (``6·L·T·H·(d_qk + d_v)``: head_dim != d / H, latent attention's narrower values) and, in a
+    sliding block, the keys within its window (``min(T, window)``)."""
+    v = m.v_head_dim or m.head_dim if m.kv_lora_rank else m.head_dim
+    keys = sum(min(seq_len, m.sliding_window) if m.is_sliding_block(i) else seq_len for i in range(m.n_layers))
+    return 6.0 * m.n_heads * (m.head_dim + v) * keys
 
 
 def flops_per_token(m: ModelSpec, seq_len: int, recompute: str = "none", convention: str = "model") -> float:

@@ -31,7 +31,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardwise.plan.params import attention_params, block_params, mlp_params, norm_params
+from shardwise.plan.params import (
+    attention_params,
+    block_norms,
+    block_params,
+    mlp_params,
+    norm_params,
+    shared_params,
+)
 from shardwise.plan.spec import Layout, ModelSpec
 from shardwise.plan.zero_layout import (
     ParamEntry,
@@ -184,19 +191,24 @@ def params_per_rank(m: ModelSpec, lay: Layout) -> tuple[float, float]:
     t, h = lay.tp, m.d_model
     layers = m.n_layers / lay.pp
     norm = norm_params(m)
-    attn_bias_rep = h if m.flavor in ("gpt2", "bert") else 0  # o_proj bias is replicated
-    attn = (attention_params(m) - attn_bias_rep) / t + attn_bias_rep
+    attn_rep = h if m.flavor in ("gpt2", "bert") else 0  # o_proj bias is replicated
+    if m.kv_lora_rank:  # latent attention's down-projections and their norms are whole on every tp rank
+        r_q = m.q_lora_rank
+        attn_rep += (h * r_q + r_q if r_q else 0) + h * (m.kv_lora_rank + m.rope_dim) + m.kv_lora_rank
+    attn = (attention_params(m) - attn_rep) / t + attn_rep
     dense_mlp_bias_rep = h if m.flavor in ("gpt2", "bert") else 0
     mlp = (mlp_params(m) - dense_mlp_bias_rep) / t + dense_mlp_bias_rep
     # an MoE block (router, experts, shared experts) stays whole on every tp rank (shardwise.parallel.tensor.plan);
     # its experts split over ep, and with etp each expert's hidden units over tp (shardwise.parallel.expert.tensor)
-    moe_share = (m.n_layers // m.moe_every) / m.n_layers if m.n_experts else 0.0  # MoE blocks per block
+    moe_share = m.moe_blocks / m.n_layers  # MoE blocks per block
     out_bias = h if m.flavor in ("gpt2", "bert") else 0
     expert = (mlp_params(m, m.expert_d_ff) - out_bias) / lay.etp + out_bias
     experts = moe_share * m.n_experts * expert / lay.ep
-    shared = mlp_params(m, m.moe_shared * m.d_ff) if m.moe_shared else 0.0
-    qk = 2 * m.head_dim if m.qk_norm else 0  # QK-norm gains, whole on every tp rank
-    dense_block = attn + 2 * norm + qk + (1 - moe_share) * mlp + moe_share * (h * m.n_experts + shared)
+    shared = shared_params(m)
+    norms = block_norms(m)  # whole on every tp rank, but for a QK-norm over the whole projections (split)
+    if m.qk_norm and m.qk_norm_scope == "projection":
+        norms -= (m.q_dim + m.kv_dim) * (1 - 1 / t)
+    dense_block = attn + norms + (1 - moe_share) * mlp + moe_share * (h * m.n_experts + shared)
     rows = -(-m.vocab_size // t)  # vocabulary-parallel tables are padded to equal pieces
     emb = rows * h + (m.max_seq_len * h if m.flavor in ("gpt2", "bert") else 0)
     head = rows * h
@@ -353,8 +365,9 @@ def activation_bytes_per_layer(m: ModelSpec, s: int, b: int, t: int = 1, sp: boo
     # replicated over tp unless sequence parallel: two norms, QKV input, MLP input, two dropout masks
     replicated = (2 * norm + qkv_in + mlp_in + 2 * mask) * sb * h
     # split over tp: Q, K, V (after rotation), attention output (o_proj input), MLP internals
-    qkv = lin * sb * (h + 2 * kv)
-    out_proj = lin * sb * h
+    attn_out = m.n_heads * (m.v_head_dim or m.head_dim) if m.kv_lora_rank else m.q_dim  # o_proj's input width
+    qkv = lin * sb * (m.q_dim + kv + (m.value_dim if m.kv_lora_rank else kv))
+    out_proj = lin * sb * attn_out
     mlp = (2 * lin * sb * f) if not llama else (4 * lin * sb * f)
     split = qkv + out_proj + mlp
     if attention == "eager" and recompute != "selective":
@@ -363,7 +376,7 @@ def activation_bytes_per_layer(m: ModelSpec, s: int, b: int, t: int = 1, sp: boo
         scores = 4 * a * sb  # fp32 log-sum-exp
     else:
         scores = 0.0
-    weight_casts = 2 * (block_params(m) - 2 * norm_params(m) - _block_biases(m)) if auto else 0
+    weight_casts = 2 * (block_params(m) - block_norms(m) - _block_biases(m)) if auto else 0
     return (replicated / (t if sp else 1)) + (split + scores + weight_casts) / t
 
 

@@ -52,10 +52,21 @@ class ParamCount:
 
 
 def attention_params(m: ModelSpec) -> int:
-    """One block's q, k, v, o projections (biases for gpt2): 2·h·(h + h_kv) (+ 2h + 2h_kv)."""
-    h, kv = m.d_model, m.kv_dim
-    weights = 2 * h * h + 2 * h * kv
-    return weights + (2 * h + 2 * kv if m.flavor in ("gpt2", "bert") else 0)
+    """One block's attention: q, k, v, o projections of ``n_heads * head_dim`` (and ``n_kv_heads * head_dim``)
+    columns, 2·h·(q + kv) for ``head_dim = h / n_heads`` (biases for gpt2 and bert: q + 2 kv + h; Qwen2: q + 2 kv);
+    latent attention (DeepSeek-V2 §2.1): the query pair (or one projection) with its norm, the key-value
+    down-projection with the shared rotary part and its norm, the up-projection to every head's keys and values,
+    and the output projection."""
+    h, q, kv = m.d_model, m.q_dim, m.kv_dim
+    if m.kv_lora_rank:
+        r_q, r_kv, rope, v = m.q_lora_rank, m.kv_lora_rank, m.rope_dim, m.v_head_dim or m.head_dim
+        query = h * r_q + r_q + r_q * q if r_q else h * q
+        nope = m.head_dim - rope
+        return query + h * (r_kv + rope) + r_kv + r_kv * m.n_heads * (nope + v) + m.n_heads * v * h
+    weights = 2 * h * q + 2 * h * kv
+    if m.flavor in ("gpt2", "bert"):
+        return weights + q + 2 * kv + h
+    return weights + (q + 2 * kv if m.qkv_bias else 0)
 
 
 def mlp_params(m: ModelSpec, width: int | None = None) -> int:
@@ -69,11 +80,25 @@ def norm_params(m: ModelSpec) -> int:
     return 2 * m.d_model if m.flavor in ("gpt2", "bert") else m.d_model
 
 
+def block_norms(m: ModelSpec) -> int:
+    """One block's norm gains: two (four with Gemma's sandwich placement) of d_model, and QK-norm's (of a head,
+    or of the whole q and k projections)."""
+    qk = 0
+    if m.qk_norm:
+        qk = 2 * m.head_dim if m.qk_norm_scope == "head" else m.q_dim + m.kv_dim
+    return (4 if m.norm_placement == "sandwich" else 2) * norm_params(m) + qk
+
+
+def shared_params(m: ModelSpec) -> int:
+    """An MoE block's shared experts: one MLP ``moe_shared`` times as wide as a routed expert."""
+    return mlp_params(m, m.moe_shared * m.expert_d_ff) if m.n_experts and m.moe_shared else 0
+
+
 def count_params(m: ModelSpec) -> ParamCount:
     """Exact parameter count of ``shardwise.model.Transformer`` for ``m``, by component."""
     layers = m.n_layers
-    moe = m.n_layers // m.moe_every if m.n_experts else 0  # shardwise.model.moe.is_moe_layer
-    shared = mlp_params(m, m.moe_shared * m.d_ff) if m.moe_shared else 0
+    moe = m.moe_blocks  # shardwise.model.moe.is_moe_layer
+    shared = shared_params(m)
     dense = (layers - moe) * mlp_params(m)
     return ParamCount(
         embedding=m.vocab_size * m.d_model,
@@ -81,7 +106,7 @@ def count_params(m: ModelSpec) -> ParamCount:
         attention=layers * attention_params(m),
         mlp=dense + moe * (m.n_experts * mlp_params(m, m.expert_d_ff) + shared),
         router=moe * m.d_model * m.n_experts,
-        norms=(2 * layers + 1) * norm_params(m) + (2 * layers * m.head_dim if m.qk_norm else 0),
+        norms=layers * block_norms(m) + norm_params(m),
         head=0 if m.tie_embeddings else m.vocab_size * m.d_model,
         mlp_active=dense + moe * (min(m.moe_top_k, m.n_experts) * mlp_params(m, m.expert_d_ff) + shared),
     )
@@ -89,11 +114,9 @@ def count_params(m: ModelSpec) -> ParamCount:
 
 def block_params(m: ModelSpec) -> int:
     """Parameters of one (MoE, where the model has experts) transformer block: attention, MLP or experts with
-    router and shared experts, two norms, QK-norm gains."""
+    router and shared experts, its norms and QK-norm gains."""
     mlps = m.n_experts * mlp_params(m, m.expert_d_ff) if m.n_experts else mlp_params(m)
-    shared = mlp_params(m, m.moe_shared * m.d_ff) if m.n_experts and m.moe_shared else 0
-    qk = 2 * m.head_dim if m.qk_norm else 0
-    return attention_params(m) + mlps + shared + m.d_model * m.n_experts + 2 * norm_params(m) + qk
+    return attention_params(m) + mlps + shared_params(m) + m.d_model * m.n_experts + block_norms(m)
 
 
 def closed_form_params(n_layers: int, d_model: int, vocab_size: int, seq_len: int) -> int:

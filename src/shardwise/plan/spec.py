@@ -43,23 +43,64 @@ class ModelSpec:
     """Every k-th block is MoE (the others dense); the parameter count honours it, the memory and
     communication models assume every block is MoE."""
     moe_shared: int = 0
-    """Shared experts (one MLP of moe_shared * d_ff) in each MoE block; counted as always active."""
+    """Shared experts (one MLP of moe_shared * expert_d_ff) in each MoE block; counted as always active."""
     moe_d_ff: int | None = None
     """Each routed expert's inner size (default d_ff)."""
     qk_norm: bool = False
-    """llama: an RMSNorm gain of head_dim per query and key (two per block)."""
+    """llama: QK-norm gains, of head_dim per query and key (two per block), or over the whole projections."""
+    head_dim: int | None = None
+    """Width of a query-key head (default d_model / n_heads; with latent attention nope + rope dims)."""
+    qkv_bias: bool = False
+    """Biases on q, k and v only (Qwen2)."""
+    qk_norm_scope: str = "head"
+    """With qk_norm: "head" (gains of head_dim) or "projection" (gains over the whole q and k projections)."""
+    norm_placement: str = "pre"
+    """"sandwich" adds a norm after each sub-layer (four per block)."""
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    """Latent attention's ranks (0: ordinary attention)."""
+    rope_dim: int | None = None
+    """Latent attention: the decoupled rotary dims of each query and key head."""
+    v_head_dim: int | None = None
+    """Latent attention: width of a value head (default head_dim)."""
+    moe_dense_first: int = 0
+    """The first blocks keep a dense MLP."""
+    sliding_window: int = 0
+    sliding_global_every: int = 0
+    """Sliding-window attention (keys within the window) in all blocks but every k-th."""
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
 
     @property
     def expert_d_ff(self) -> int:
         return self.moe_d_ff or self.d_ff
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Width of all value heads together."""
+        return self.n_heads * (self.v_head_dim or self.head_dim) if self.kv_lora_rank else self.kv_dim
+
+    def is_moe_block(self, layer: int) -> bool:
+        """Whether block ``layer`` has experts (:func:`shardwise.model.moe.is_moe_layer`'s rule)."""
+        return self.n_experts > 0 and layer >= self.moe_dense_first and layer % self.moe_every == self.moe_every - 1
+
+    @property
+    def moe_blocks(self) -> int:
+        return sum(self.is_moe_block(i) for i in range(self.n_layers))
+
+    def is_sliding_block(self, layer: int) -> bool:
+        every = self.sliding_global_every
+        return self.sliding_window > 0 and (every <= 0 or (layer + 1) % every != 0)
 
 
 @dataclass(frozen=True)
@@ -115,7 +156,7 @@ def resolved_model(cfg: Config) -> ModelConfig:
     ``data.seq_len``, as the trainer does."""
     m: ModelConfig = dataclasses.replace(cfg.model)
     vocab = _tokenizer_vocab(cfg) if m.vocab_size is None else None
-    resolve_model(m, vocab)
+    resolve_model(m, vocab, weights=False)  # an hf: directory's config.json is enough to plan
     if m.max_seq_len is None:
         m.max_seq_len = cfg.data.seq_len
     if m.max_seq_len is None:
@@ -134,8 +175,22 @@ def model_spec(cfg: Config, n_experts: int | None = None, moe_top_k: int | None 
         flavor=m.flavor, n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
         d_ff=m.d_ff, vocab_size=m.vocab_size, max_seq_len=m.max_seq_len, tie_embeddings=bool(m.tie_embeddings),
         dropout=m.dropout, n_experts=n_experts, moe_top_k=moe_top_k, moe_every=m.moe_every,
-        moe_shared=m.moe_shared, moe_d_ff=m.moe_d_ff, qk_norm=m.qk_norm,
+        moe_shared=m.moe_shared, moe_d_ff=m.moe_d_ff, qk_norm=m.qk_norm, **architecture_of(m),
     )
+
+
+ARCHITECTURE_FIELDS = ("head_dim", "qkv_bias", "qk_norm_scope", "norm_placement", "q_lora_rank", "kv_lora_rank",
+                       "rope_dim", "v_head_dim", "moe_dense_first", "sliding_window", "sliding_global_every")
+"""The model fields a :class:`ModelSpec` carries beyond the shape (the same names on both)."""
+
+
+def architecture_of(m) -> dict:
+    """The :data:`ARCHITECTURE_FIELDS` of a model config (gpt2 and bert have none of them)."""
+    if m.flavor != "llama":
+        return {}
+    out = {k: getattr(m, k) for k in ARCHITECTURE_FIELDS}
+    out["rope_dim"] = m.rope_dim if m.kv_lora_rank else None  # a partial rotation changes no shape
+    return out
 
 
 def seq_len_of(cfg: Config, model: ModelSpec) -> int:
@@ -171,5 +226,5 @@ def model_config_of(spec: ModelSpec) -> ModelConfig:
         n_kv_heads=spec.n_kv_heads, d_ff=spec.d_ff, vocab_size=spec.vocab_size, max_seq_len=spec.max_seq_len,
         tie_embeddings=spec.tie_embeddings, dropout=spec.dropout, n_experts=spec.n_experts,
         moe_top_k=spec.moe_top_k, moe_every=spec.moe_every, moe_shared=spec.moe_shared, moe_d_ff=spec.moe_d_ff,
-        qk_norm=spec.qk_norm,
+        qk_norm=spec.qk_norm, **({k: getattr(spec, k) for k in ARCHITECTURE_FIELDS} if spec.flavor == "llama" else {}),
     )

@@ -16,7 +16,7 @@ independent descriptions against each other:
 * **Mixture of experts** (Fedus et al. 2022, "Switch Transformers" §2; GShard's every-other-layer placement
   for ``moe_every`` 2): the MoE block's MLP is a bias-free router (E x h) and E experts of the flavour's
   MLP, each tensor stacked over the experts; ``moe_shared`` shared experts (DeepSeekMoE, Dai et al. 2024)
-  one MLP of ``moe_shared * d_ff``.
+  one MLP ``moe_shared`` times as wide as a routed expert.
 * The **BERT** flavour is planned as GPT-2 (its token-type table, embedding norm, MLM transform and output
   bias are left out, a documented gap); ``tests/test_plan_model.py`` lists the difference.
 
@@ -58,8 +58,9 @@ def _gelu_style(m: ModelSpec) -> bool:
 
 
 def is_moe_block(m: ModelSpec, block: int) -> bool:
-    """Every ``moe_every``-th block is MoE, the last of each run (GShard: blocks 1, 3, 5, ... for 2)."""
-    return m.n_experts > 0 and block % m.moe_every == m.moe_every - 1
+    """Every ``moe_every``-th block is MoE, the last of each run (GShard: blocks 1, 3, 5, ... for 2), past the
+    first ``moe_dense_first``."""
+    return m.is_moe_block(block)
 
 
 def _linear(prefix: str, out: int, inp: int, bias: bool, block: int | None, split: str,
@@ -89,26 +90,51 @@ def _norm(prefix: str, m: ModelSpec, block: int | None) -> list[ParamEntry]:
     return [*out, ParamEntry(f"{prefix}.bias", m.d_model, block)] if _gelu_style(m) else out
 
 
+def _attention(p: str, m: ModelSpec, b: int) -> list[ParamEntry]:
+    """One block's attention tensors: q, k, v, o (biases for gpt2 and bert; q, k, v's for Qwen2) and QK-norm
+    gains; or latent attention's (DeepSeek-V2 §2.1), its down-projections and their norms whole."""
+    h, q, kv = m.d_model, m.q_dim, m.kv_dim
+    if m.kv_lora_rank:
+        r_q, r_kv, heads = m.q_lora_rank, m.kv_lora_rank, m.n_heads
+        nope, v = m.head_dim - m.rope_dim, m.v_head_dim or m.head_dim
+        query = [*_linear(f"{p}.q_a_proj", r_q, h, False, b, "whole"), ParamEntry(f"{p}.q_norm.weight", r_q, b),
+                 *_linear(f"{p}.q_b_proj", q, r_q, False, b, "column")] if r_q else \
+            _linear(f"{p}.q_proj", q, h, False, b, "column")
+        return [*query, *_linear(f"{p}.kv_a_proj", r_kv + m.rope_dim, h, False, b, "whole"),
+                ParamEntry(f"{p}.kv_norm.weight", r_kv, b),
+                *_linear(f"{p}.kv_b_proj", heads * (nope + v), r_kv, False, b, "column"),
+                *_linear(f"{p}.o_proj", h, heads * v, False, b, "row")]
+    bias, qkv_bias = _gelu_style(m), _gelu_style(m) or m.qkv_bias
+    out = [*_linear(f"{p}.q_proj", q, h, qkv_bias, b, "column"),
+           *_linear(f"{p}.k_proj", kv, h, qkv_bias, b, "column_kv"),
+           *_linear(f"{p}.v_proj", kv, h, qkv_bias, b, "column_kv"),
+           *_linear(f"{p}.o_proj", h, q, bias, b, "row")]
+    if m.qk_norm:
+        whole = m.qk_norm_scope == "head"
+        out += [ParamEntry(f"{p}.q_norm.weight", m.head_dim if whole else q, b, "whole" if whole else "column"),
+                ParamEntry(f"{p}.k_norm.weight", m.head_dim if whole else kv, b, "whole" if whole else "column_kv")]
+    return out
+
+
 def model_params(m: ModelSpec) -> list[ParamEntry]:
     """The trainable tensors of the model of shape ``m``, in registration order (a tied head once, as the
     token table)."""
-    h, kv, bias = m.d_model, m.kv_dim, _gelu_style(m)
+    h, bias = m.d_model, _gelu_style(m)
     out = [ParamEntry("tok_emb.weight", m.vocab_size * h, None, "vocab")]
     if bias:  # learned positions (GPT-2, BERT); Llama's rotary positions have no parameters
         out.append(ParamEntry("pos_emb.weight", m.max_seq_len * h, None))
     for b in range(m.n_layers):
         p = f"blocks.{b}"
         out += _norm(f"{p}.norm1", m, b)
-        out += _linear(f"{p}.attn.q_proj", h, h, bias, b, "column")
-        out += _linear(f"{p}.attn.k_proj", kv, h, bias, b, "column_kv")
-        out += _linear(f"{p}.attn.v_proj", kv, h, bias, b, "column_kv")
-        out += _linear(f"{p}.attn.o_proj", h, h, bias, b, "row")
+        out += _attention(f"{p}.attn", m, b)
         out += _norm(f"{p}.norm2", m, b)
+        if m.norm_placement == "sandwich":
+            out += _norm(f"{p}.post_norm1", m, b) + _norm(f"{p}.post_norm2", m, b)
         if is_moe_block(m, b):
             out.append(ParamEntry(f"{p}.mlp.router.weight", m.n_experts * h, b))
-            out += _mlp(f"{p}.mlp.experts", m, m.d_ff, b, split=False, stack=m.n_experts)
+            out += _mlp(f"{p}.mlp.experts", m, m.expert_d_ff, b, split=False, stack=m.n_experts)
             if m.moe_shared:
-                out += _mlp(f"{p}.mlp.shared", m, m.moe_shared * m.d_ff, b, split=False)
+                out += _mlp(f"{p}.mlp.shared", m, m.moe_shared * m.expert_d_ff, b, split=False)
         else:
             out += _mlp(f"{p}.mlp", m, m.d_ff, b, split=True)
     out += _norm("norm_f", m, None)

@@ -75,7 +75,7 @@ class RankCosts:
     def block(self, layer_id: int) -> BlockCost:
         """One block's forward and backward for one micro-batch (with recomputation in the backward)."""
         m, t = self.model, self.cfg.train
-        moe = is_moe_layer(layer_id, m.n_experts or 0, m.moe_every)
+        moe = is_moe_layer(layer_id, m.n_experts or 0, m.moe_every, m.moe_dense_first)
         full = t.recompute == "full" and layer_id % t.recompute_every == 0
         key = (moe, full)
         if key not in self._blocks:
@@ -122,7 +122,7 @@ class RankCosts:
         mlp = rl.block_cost(self._traced(mlp_trace, self._routed(imbalance), self._d_expert)) + \
             BlockCost(rl.pass_cost(_router_ops(rows, m)), rl.pass_cost(_router_ops(rows, m, backward=True)), 0.0)
         if m.moe_shared:
-            mlp = mlp + rl.block_cost(self._traced(mlp_trace, rows, m.moe_shared * m.d_ff))
+            mlp = mlp + rl.block_cost(self._traced(mlp_trace, rows, m.moe_shared * self._d_expert))
         return mlp
 
     def core_cost(self) -> BlockCost:

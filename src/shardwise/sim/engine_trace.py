@@ -26,7 +26,7 @@ from shardwise.config import Config
 from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import ParallelDims
 from shardwise.model.moe import is_moe_layer
-from shardwise.model.transformer import Transformer
+from shardwise.model.transformer import Transformer, head_dim_of
 from shardwise.sim.compute import Trace, trace
 from shardwise.sim.mirror import mirror_mesh
 
@@ -43,7 +43,8 @@ def trace_dims(cfg: Config) -> ParallelDims:
 
 def _first_moe(cfg: Config) -> int | None:
     m = cfg.model
-    return next((i for i in range(m.n_layers) if is_moe_layer(i, m.n_experts or 0, m.moe_every)), None)
+    moe = (i for i in range(m.n_layers) if is_moe_layer(i, m.n_experts or 0, m.moe_every, m.moe_dense_first))
+    return next(moe, None)
 
 
 def fits_here(cfg: Config, batch: int, moe: bool = False) -> bool:
@@ -89,7 +90,7 @@ def _traces(cfg: Config, mesh, batch: int, device: str) -> dict[str, Trace]:
     p, m = cfg.parallel, cfg.model
     tokens = cfg.data.seq_len // p.cp
     outside = tokens // p.tp if p.sequence_parallel and p.tp > 1 else tokens  # the residual stream's share
-    hd = m.d_model // m.n_heads
+    hd = head_dim_of(m)
 
     def build(model_cfg, n_layers: int, on: str, engine: bool = True) -> Transformer:
         with torch.device(on):
@@ -109,7 +110,10 @@ def _traces(cfg: Config, mesh, batch: int, device: str) -> dict[str, Trace]:
     ids = torch.zeros(batch, tokens, dtype=torch.long, device=device)
     block = model.blocks[0]
     attn = block.attn
-    heads, kv = attn.q_proj.out_features // hd, attn.k_proj.out_features // hd
+    query = attn.q_b_proj if hasattr(attn, "q_b_proj") else attn.q_proj  # latent attention: its up-projection
+    heads = query.out_features // hd
+    kv = attn.k_proj.out_features // hd if hasattr(attn, "k_proj") else heads  # latent: keys expanded per head
+    vd = getattr(attn, "v_dim", hd)
     out = {
         "embed": trace(lambda t: Transformer.embed(model, t), [ids], params),
         "head": trace(lambda h: Transformer.head(model, h, ids), [x(0, batch, outside, m.d_model)], params),
@@ -117,12 +121,12 @@ def _traces(cfg: Config, mesh, batch: int, device: str) -> dict[str, Trace]:
         "attn": trace(attn, [x(2, batch, outside, m.d_model)], params),
         "mlp": trace(block.mlp, [x(3, batch, outside, m.d_model)], params),
         "core": trace(attn.core, [x(4, batch, heads, tokens, hd), x(5, batch, kv, tokens, hd),
-                                  x(6, batch, kv, tokens, hd)], params),
+                                  x(6, batch, kv, tokens, vd)], params),
     }
     own = build(dense, 1, "meta", engine=False).blocks[0].attn  # the model's own core, on the whole sequence
     seq = cfg.data.seq_len
     out["core_full"] = trace(own.core, [x(7, batch, heads, seq, hd, on="meta"), x(8, batch, kv, seq, hd, on="meta"),
-                                        x(9, batch, kv, seq, hd, on="meta")], [])
+                                        x(9, batch, kv, seq, vd, on="meta")], [])
     first = _first_moe(cfg)
     if first is not None and fits_here(cfg, batch, moe=True):
         block = build(m, first + 1, "cpu").blocks[first]

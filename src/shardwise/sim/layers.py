@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from shardwise.config import Config
 from shardwise.model.moe import is_moe_layer
+from shardwise.model.transformer import head_dim_of
 from shardwise.parallel.tensor.plan import PLANS, block_plan, style_of
 from shardwise.sim.costs import RankCosts
 from shardwise.sim.params import EMBED, HEAD
@@ -64,7 +65,7 @@ class LayerComm:
     def _kind(self, layer: int) -> tuple:
         """Blocks of one kind cost the same: dense or MoE, recomputed or not."""
         m, t = self.cfg.model, self.cfg.train
-        return (is_moe_layer(layer, m.n_experts or 0, m.moe_every), t.recompute == "full" and
+        return (is_moe_layer(layer, m.n_experts or 0, m.moe_every, m.moe_dense_first), t.recompute == "full" and
                 layer % t.recompute_every == 0)
 
     def _segments(self, piece, phase: str) -> list[Segment]:
@@ -100,7 +101,7 @@ class LayerComm:
         m, t = self.cfg.model, self.cfg.train
         if phase == "W":
             return []
-        moe = is_moe_layer(layer, m.n_experts or 0, m.moe_every)
+        moe = is_moe_layer(layer, m.n_experts or 0, m.moe_every, m.moe_dense_first)
         plan = block_plan(m.flavor)
         regions = sum(1 for path, s in plan.items() if s == "region" and not (moe and path == "mlp"))
         rowwise = sum(1 for path, s in plan.items() if s == "rowwise" and not (moe and path.startswith("mlp.")))
@@ -184,7 +185,7 @@ class LayerComm:
             return []
         p, m = self.cfg.parallel, self.cfg.model
         c = self.costs
-        hd = m.d_model // m.n_heads
+        hd = head_dim_of(m)
         heads, kv_heads = m.n_heads // self.tp, max(m.n_kv_heads // self.tp, 1)
         kv = 2 * c.batch * kv_heads * c.tokens * hd * self.elt
         core = c.core_cost()

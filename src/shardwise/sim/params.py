@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from shardwise.config import Config
+from shardwise.model.transformer import head_dim_of
 from shardwise.parallel.data import _assign_buckets
 from shardwise.parallel.tensor.plan import PLANS, kv_rows, style_of
 from shardwise.parallel.zero.wrapper import block_units
@@ -64,7 +65,7 @@ def _local_numel(cfg: Config, name: str, p: nn.Parameter) -> int:
     if style == "colwise":
         return n // tp
     if style == "colwise_kv":
-        start, stop, _, _ = kv_rows(m.n_heads, m.n_kv_heads, m.d_model // m.n_heads, tp, 0)
+        start, stop, _, _ = kv_rows(m.n_heads, m.n_kv_heads, head_dim_of(m), tp, 0)
         return n // p.shape[0] * (stop - start)
     if style == "rowwise" and kind == "weight":
         return n // tp

@@ -39,7 +39,7 @@ def load_config(path: str | None, overrides: dict[str, str], hw: SimHardware) ->
     """The trainer's resolved config for ``hw.nodes`` nodes of ``hw.gpus_per_node`` ranks."""
     cfg = read_config(path, {**overrides, "parallel.nproc": str(hw.gpus_per_node), "parallel.nnodes": str(hw.nodes)})
     cfg.model = resolved_model(cfg)
-    return resolve(cfg)
+    return resolve(cfg, weights=False)
 
 
 @dataclass

@@ -38,7 +38,7 @@ from shardwise.dist.comm.compress import gradient_all_reduce
 from shardwise.dist.comm.counting import CommLedger
 from shardwise.dist.mesh import Mesh
 from shardwise.model import Transformer
-from shardwise.model.transformer import initial_value
+from shardwise.model.transformer import init_kwargs, initial_value
 from shardwise.parallel.context import pop_attention_work
 from shardwise.parallel.data import DataParallel
 from shardwise.parallel.dropout import replica_key
@@ -174,7 +174,7 @@ class Engine:
             return None
         names = {id(p): n for n, p in self.module.named_parameters_for_init()}
         m, seed = self.cfg.model, self.cfg.train.seed
-        return lambda _name, p: initial_value(names[id(p)], p.shape, seed, init_std=m.init_std, n_layers=m.n_layers)
+        return lambda _name, p: initial_value(names[id(p)], p.shape, seed, **init_kwargs(m))
 
     def _wrap(self, run_dir: Path):
         p = self.cfg.parallel

@@ -17,7 +17,7 @@ import torch
 from shardwise.config import ModelConfig
 from shardwise.plan.flops import flops_per_token
 from shardwise.plan.hardware import GPU_PEAK_FLOPS, peak_flops_for_device_name
-from shardwise.plan.spec import ModelSpec
+from shardwise.plan.spec import ModelSpec, architecture_of
 
 __all__ = ["GPU_PEAK_FLOPS", "training_flops_per_token", "peak_flops", "measure_cpu_matmul_flops"]
 
@@ -32,7 +32,8 @@ def training_flops_per_token(model_cfg: ModelConfig, seq_len: int | None = None)
         n_kv_heads=model_cfg.n_kv_heads or model_cfg.n_heads, d_ff=model_cfg.d_ff, vocab_size=model_cfg.vocab_size,
         max_seq_len=model_cfg.max_seq_len, tie_embeddings=bool(model_cfg.tie_embeddings),
         n_experts=model_cfg.n_experts or 0, moe_top_k=model_cfg.moe_top_k, moe_every=model_cfg.moe_every,
-        moe_shared=model_cfg.moe_shared,
+        moe_shared=model_cfg.moe_shared, moe_d_ff=model_cfg.moe_d_ff, qk_norm=model_cfg.qk_norm,
+        **architecture_of(model_cfg),
     )
     return flops_per_token(spec, seq_len if seq_len is not None else model_cfg.max_seq_len)
 

@@ -32,6 +32,13 @@ def check(cfg: Config) -> None:
         raise ConfigError("parallel.cp_algorithm='ring' with run.device='cuda' and parallel.backend='gloo': the "
                           "ring passes K/V blocks point to point, and gloo's point-to-point takes CPU tensors only; "
                           "use parallel.backend='nccl' (or 'auto') or run.device='cpu'")
+    if p.cp_algorithm == "ring":
+        for key, why in (("sliding_window", "a sliding window"), ("attn_softcap", "soft-capped scores"),
+                         ("kv_lora_rank", "latent attention's values narrower than its keys")):
+            if getattr(m, key, 0):
+                raise ConfigError(f"parallel.cp_algorithm='ring' with model.{key}={getattr(m, key)}: the ring's "
+                                  f"blocks are plain attention of equal key and value widths, without {why}; use "
+                                  "'allgather' or 'ulysses'")
     if p.cp_algorithm == "ulysses":
         heads, kv = m.n_heads // p.tp, max(m.n_kv_heads // p.tp, 1)
         if heads % p.cp:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.dist.comm.counting import CommStats, nbytes
+from shardwise.model.scores import PLAIN, ScoreRule
 from shardwise.parallel.context.blocks import BlockPair
 from shardwise.parallel.context.layout import SequenceLayout
 
@@ -114,11 +115,12 @@ class ContextAttention:
         self.work += seq * seq * (0.5 if self.causal else 1.0) * fraction / self._tile(seq // self.size)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                 drop=None) -> torch.Tensor:
+                 drop=None, rule: ScoreRule | None = None) -> torch.Tensor:
         if mask is not None:  # the config refuses cp with classification, the one objective with padding
             raise ValueError("context-parallel attention takes no padding mask: its keys are split over the ranks")
+        rule = PLAIN if rule is None else rule
         if not torch.is_grad_enabled():
-            return self._attend(q, k, v, drop)
+            return self._attend(q, k, v, drop, rule)
         seen: set = set()
         # only the innermost hooks apply: chain to an enclosing pair (activation checkpointing's) so it still acts
         outer_pack, outer_unpack = torch._C._autograd._top_saved_tensors_default_hooks(False) or (None, None)
@@ -135,20 +137,23 @@ class ContextAttention:
 
         self.calls += 1
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            return self._attend(q, k, v, drop)
+            return self._attend(q, k, v, drop, rule)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop, rule: ScoreRule) -> torch.Tensor:
         if self.algorithm == "ring":
             from shardwise.parallel.context.ring import RingAttentionFunction
 
-            return RingAttentionFunction.apply(q, k, v, self, drop)
+            if not rule.plain or k.shape != v.shape:
+                raise ValueError("ring attention computes plain blocks of equal key and value widths; the config "
+                                 "refuses a sliding window, soft-capping or latent attention with it")
+            return RingAttentionFunction.apply(q, k, v, self, drop, rule.scale_for(q.shape[-1]))
         if self.algorithm == "allgather":
             from shardwise.parallel.context.allgather import allgather_attention
 
-            return allgather_attention(q, k, v, self, drop)
+            return allgather_attention(q, k, v, self, drop, rule)
         from shardwise.parallel.context.ulysses import ulysses_attention
 
-        return ulysses_attention(q, k, v, self, drop)
+        return ulysses_attention(q, k, v, self, drop, rule)
 
 
 def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:

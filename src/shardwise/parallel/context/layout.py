@@ -104,15 +104,13 @@ def _lookup_at(emb: nn.Module, forward, layout: SequenceLayout, idx: torch.Tenso
 
 
 def _rotate_at(rope, layout: SequenceLayout, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """RoFormer's rotation (Su et al. 2021, eq. 34) of ``x [B, H, t, hd]`` at the global positions of this
-    rank's ``t`` local tokens (the model's own ``rotate`` uses ``0..t-1``). Explicit ``positions`` (a key/value
-    cache's decoding) do not occur in training and are refused."""
+    """The rotary embedding's own rotation (:meth:`~shardwise.model.rope.RotaryEmbedding.rotate`) of ``x [B, H, t,
+    hd]`` at the global positions of this rank's ``t`` local tokens (the model's own uses ``0..t-1``). Explicit
+    ``positions`` (a key/value cache's decoding) do not occur in training and are refused."""
     if positions is not None:
         raise ValueError("a context-parallel model part takes its positions from the sequence layout")
     pos = layout.positions(x.shape[-2], device=rope.cos.device)
-    cos, sin = rope.cos[pos].float(), rope.sin[pos].float()
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+    return type(rope).rotate(rope, x, pos[None])
 
 
 def use_global_positions(part: nn.Module, layout: SequenceLayout) -> None:

@@ -62,9 +62,9 @@ class RingAttentionFunction(torch.autograd.Function):
     this rank's tokens; ``drop``: the probabilities' dropout (None: none)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, core, drop=None):
+    def forward(ctx, q, k, v, core, drop=None, scale=None):
         n, r, t = core.size, core.rank, q.shape[2]
-        scale = q.shape[-1] ** -0.5
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         kv = torch.stack((k, v)).contiguous()
         acc = PartialAttention(t, core.layout.balance == "headtail" and core.causal)
         for step in range(n):
@@ -85,15 +85,14 @@ class RingAttentionFunction(torch.autograd.Function):
                 kv = transfer.wait()
         out, lse = acc.result()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.core, ctx.drop = core, drop
+        ctx.core, ctx.drop, ctx.scale = core, drop, scale
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        core, drop = ctx.core, ctx.drop
+        core, drop, scale = ctx.core, ctx.drop, ctx.scale
         n, r, t = core.size, core.rank, q.shape[2]
-        scale = q.shape[-1] ** -0.5
         dout = grad.contiguous()
         delta = None if drop is None else (dout.float() * out.float()).sum(-1)
         dq = torch.zeros_like(q, dtype=torch.float32)
@@ -123,4 +122,4 @@ class RingAttentionFunction(torch.autograd.Function):
             if transfer is not None:
                 kv = transfer.wait()
         dkv = grads_in.wait()  # this rank's own block, summed over every rank that attended to it
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None

@@ -14,7 +14,7 @@ The gathered sequence is the ranks' local sequences one after another, which und
 a permutation of the true order: it is put back in order for the causal kernel and permuted back after.
 With dropout on the probabilities, the rank draws the mask of its heads over the whole sequence (global head
 ids: its tensor-parallel rank's heads, then its share of them) and applies it in an eager core
-(:func:`~shardwise.model.dropout.dropped_attention`).
+(:func:`~shardwise.model.scores.attend`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise.dist.comm.counting import nbytes
-from shardwise.model.dropout import dropped_attention
+from shardwise.model.scores import PLAIN, ScoreRule, attend
 
 
 def _all_to_all(x: torch.Tensor, core) -> torch.Tensor:
@@ -86,9 +86,12 @@ def ulysses_keep(core, drop, batch: int, heads: int, t: int, device=None) -> tor
     return drop.keep(batch, every, every, core.size * t, heads=mine, causal=core.causal)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, drop=None) -> torch.Tensor:
-    """Attention (causal, or not for an encoder) of this rank's tokens ``q [B, H, t, d]``, ``k, v [B, Hkv, t, d]``
-    by two all-to-alls; ``drop``: the probabilities' dropout (None: none)."""
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, drop=None,
+                      rule: ScoreRule = PLAIN) -> torch.Tensor:
+    """Attention (causal, or not for an encoder) of this rank's tokens ``q [B, H, t, d]``, ``k [B, Hkv, t, d]``,
+    ``v [B, Hkv, t, dv]`` by two all-to-alls, under the layer's ``rule`` (scale, sliding window, soft-cap: each
+    rank holds whole sequences of its heads, so every rule applies as on one process); ``drop``: the
+    probabilities' dropout (None: none)."""
     n, t = core.size, q.shape[2]
     if q.shape[1] % n:
         raise ValueError(f"ulysses: {q.shape[1]} query heads on this rank do not divide by parallel.cp={n}")
@@ -96,17 +99,21 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, d
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     qh = _Reshard.apply(q, core, True)
-    kvh = _Reshard.apply(torch.cat((k, v)), core, True)  # keys and values in one all-to-all (batch 2B)
-    kh, vh = kvh.chunk(2)
+    if k.shape == v.shape:
+        kh, vh = _Reshard.apply(torch.cat((k, v)), core, True).chunk(2)  # keys and values in one all-to-all
+    else:  # values of their own width (multi-head latent attention)
+        kh, vh = _Reshard.apply(k, core, True), _Reshard.apply(v, core, True)
     positions = torch.cat([core.layout.positions(t, rank=j) for j in range(n)]).to(q.device)
     order = positions.argsort()  # gathered order -> true order
+    qh, kh, vh = qh[:, :, order], kh[:, :, order], vh[:, :, order]
     with core.timed(qh):
-        if drop is None:
-            y = F.scaled_dot_product_attention(qh[:, :, order], kh[:, :, order], vh[:, :, order],
-                                               is_causal=core.causal, enable_gqa=kh.shape[1] != qh.shape[1])
-        else:
+        if drop is not None:
             keep = ulysses_keep(core, drop, q.shape[0], q.shape[1], t, q.device)
-            y = dropped_attention(qh[:, :, order], kh[:, :, order], vh[:, :, order], keep, drop.p,
-                                  causal=core.causal)
+            y = attend(qh, kh, vh, rule, causal=core.causal, keep=keep, p=drop.p)
+        elif not rule.plain:
+            y = attend(qh, kh, vh, rule, causal=core.causal)
+        else:
+            y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=core.causal, scale=rule.scale,
+                                               enable_gqa=kh.shape[1] != qh.shape[1])
     core.count_whole(n * t, fraction=1 / n)
     return _Reshard.apply(y[:, :, order.argsort()], core, False)

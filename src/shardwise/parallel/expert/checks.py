@@ -8,7 +8,7 @@ from shardwise.checks import Unused, choice, divisors, positive
 from shardwise.config import Config, ConfigError, ModelConfig
 
 MOE_FIELDS = ("moe_top_k", "moe_every", "moe_shared", "moe_capacity_factor", "moe_aux_coeff", "moe_z_coeff",
-              "moe_router", "moe_d_ff")
+              "moe_router", "moe_d_ff", "moe_dense_first", "moe_groups", "moe_gate_scale")
 
 
 def check_moe_fields(m: ModelConfig) -> None:
@@ -24,6 +24,25 @@ def check_moe_fields(m: ModelConfig) -> None:
         positive(f"model.{key}", getattr(m, key), allow_zero=True)
     choice("model.moe_router", m.moe_router)
     positive("model.moe_d_ff", m.moe_d_ff)
+    positive("model.moe_dense_first", m.moe_dense_first, allow_zero=True)
+    positive("model.moe_gate_scale", m.moe_gate_scale)
+    positive("model.moe_groups", m.moe_groups)
+    if not m.n_experts:
+        return
+    if m.moe_dense_first >= m.n_layers:
+        raise ConfigError(f"model.moe_dense_first={m.moe_dense_first} leaves no MoE block among model.n_layers="
+                          f"{m.n_layers}; use 0..{m.n_layers - 1}")
+    if m.n_experts % m.moe_groups:
+        raise ConfigError(f"model.moe_groups={m.moe_groups} does not divide model.n_experts={m.n_experts}; use one "
+                          f"of {divisors(m.n_experts)}")
+    if not 1 <= m.moe_group_top_k <= m.moe_groups:
+        raise ConfigError(f"model.moe_group_top_k={m.moe_group_top_k} must be in 1..model.moe_groups={m.moe_groups}")
+    if m.moe_groups > 1 and m.moe_top_k > m.moe_group_top_k * (m.n_experts // m.moe_groups):
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} exceeds the experts of model.moe_group_top_k="
+                          f"{m.moe_group_top_k} groups ({m.moe_group_top_k * (m.n_experts // m.moe_groups)})")
+    if m.mlp_activation != "silu":
+        raise ConfigError(f"model.mlp_activation={m.mlp_activation!r} with model.n_experts={m.n_experts}: our "
+                          "experts are SwiGLU; use 'silu' or a dense model")
 
 
 def check(cfg: Config) -> None:
@@ -78,4 +97,6 @@ def unused(cfg: Config) -> list[Unused]:
     bias = (f"moves the sigmoid_bias router's balancing bias, but model.moe_router={m.moe_router!r} has none; "
             "set model.moe_router='sigmoid_bias' or remove it")
     return [Unused(f"model.{k}", m.n_experts > 0, why) for k in MOE_FIELDS] + [
-        Unused("model.moe_bias_rate", m.n_experts > 0 and m.moe_router == "sigmoid_bias", bias)]
+        Unused("model.moe_bias_rate", m.n_experts > 0 and m.moe_router == "sigmoid_bias", bias),
+        Unused("model.moe_group_top_k", m.n_experts > 0 and m.moe_groups > 1, "picks among expert groups, but "
+               f"model.moe_groups={m.moe_groups}; set model.moe_groups > 1 or remove it")]

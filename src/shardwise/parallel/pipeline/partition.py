@@ -166,8 +166,9 @@ class StageModule(nn.Module):
             for name in LAST_STAGE_MODULES:
                 if getattr(model, name, None) is not None:
                     setattr(self, name, getattr(model, name))
-        if model.rope is not None and len(blocks):
-            self.rope = model.rope
+        for name in ("rope", "rope_local"):  # the rotations the blocks share
+            if getattr(model, name, None) is not None and len(blocks):
+                setattr(self, name, getattr(model, name))
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, dropout_key=None,
                 tokens: torch.Tensor | None = None) -> torch.Tensor:

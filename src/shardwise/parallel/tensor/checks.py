@@ -19,6 +19,10 @@ def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
         )
     if m.d_ff % tp:
         raise ConfigError(f"parallel.tp={tp} does not divide model.d_ff={m.d_ff}; use {divisors(m.d_ff)}")
+    if getattr(m, "qk_norm", False) and getattr(m, "qk_norm_scope", "head") == "projection" and tp > kv:
+        raise ConfigError(f"parallel.tp={tp} with model.qk_norm_scope='projection' and model.n_kv_heads={kv}: the "
+                          "norm over the whole key projection would count key heads replicated over the ranks more "
+                          f"than once; use parallel.tp <= {kv}")
 
 
 def check(cfg: Config) -> None:

@@ -44,6 +44,7 @@ from torch import nn
 
 from shardwise.dist.comm.counting import CommStats
 from shardwise.model.moe import MoE
+from shardwise.model.transformer import head_dim_of
 from shardwise.parallel.expert.tensor import ExpertTensorParallel
 from shardwise.parallel.tensor.checks import check_tensor_parallel
 from shardwise.parallel.tensor.layers import (
@@ -54,14 +55,17 @@ from shardwise.parallel.tensor.layers import (
     TPShard,
     VocabParallelEmbedding,
     _piece,
+    even_rows,
     install_grad_sync,
     mark,
     padded_rows,
     replicated,
 )
 from shardwise.parallel.tensor.loss import VocabParallelLoss
+from shardwise.parallel.tensor.norm import SplitRMSNorm
 
-STYLES = ("vocab_embedding", "positions", "region", "colwise", "colwise_kv", "rowwise", "vocab_head", "replicate")
+STYLES = ("vocab_embedding", "positions", "region", "colwise", "colwise_kv", "rowwise", "vocab_head", "replicate",
+          "qk_norm", "qk_norm_kv")
 """The tensor-parallel forms a module can take:
 
 * ``vocab_embedding``: :class:`VocabParallelEmbedding` (g, or the sequence reduce-scatter, at its output);
@@ -74,11 +78,16 @@ STYLES = ("vocab_embedding", "positions", "region", "colwise", "colwise_kv", "ro
 * ``vocab_head``: :class:`ColumnParallelLinear` over the padded vocabulary that enters the region itself;
   tied to the vocabulary embedding where the model ties them; the model's loss becomes
   :class:`VocabParallelLoss`;
-* ``replicate``: whole on every rank (norms).
+* ``replicate``: whole on every rank (norms);
+* ``qk_norm`` / ``qk_norm_kv``: a QK-norm, whole on every rank when it normalises each head, else (OLMo 2's
+  norm over the whole projection) split like ``q_proj`` / ``k_proj`` with its statistic summed over the ranks
+  (:class:`~shardwise.parallel.tensor.norm.SplitRMSNorm`).
 """
 
-PER_HEAD_NORMS = ("attn.q_norm.weight", "attn.k_norm.weight")
-"""Whole on every tp rank but applied to the rank's heads only: gradients summed over tp (``grad_sync="sum"``)."""
+PER_HEAD_NORMS = ("attn.q_norm.weight", "attn.k_norm.weight", "attn.q_a_proj.weight", "attn.kv_a_proj.weight",
+                  "attn.kv_norm.weight")
+"""Whole on every tp rank but feeding the rank's heads only: gradients summed over tp (``grad_sync="sum"``): a
+per-head QK-norm's gains, latent attention's down-projections and their norms."""
 
 _BLOCK_ATTN = {
     "blocks.*.norm1": "replicate",
@@ -87,6 +96,10 @@ _BLOCK_ATTN = {
     "blocks.*.attn.k_proj": "colwise_kv",
     "blocks.*.attn.v_proj": "colwise_kv",
     "blocks.*.attn.o_proj": "rowwise",
+    "blocks.*.attn.q_norm": "qk_norm",
+    "blocks.*.attn.k_norm": "qk_norm_kv",
+    "blocks.*.attn.q_b_proj": "colwise",  # latent attention: the up-projections split by heads
+    "blocks.*.attn.kv_b_proj": "colwise",
     "blocks.*.norm2": "replicate",
     "blocks.*.mlp": "region",
 }
@@ -190,8 +203,9 @@ def apply_tensor_parallel(
     cfg = model.cfg if cfg is None else cfg
     check_tensor_parallel(cfg, tp)
     plan = PLANS[cfg.flavor] if plan is None else plan
-    head_dim = cfg.d_model // cfg.n_heads
+    head_dim = head_dim_of(cfg)
     sp = sequence_parallel
+    split_qk_norm = getattr(cfg, "qk_norm", False) and getattr(cfg, "qk_norm_scope", "head") == "projection"
     emb: VocabParallelEmbedding | None = None
     head: ColumnParallelLinear | None = None
     for path, module in list(model.named_modules()):
@@ -200,7 +214,12 @@ def apply_tensor_parallel(
             if split_experts:  # expert tensor parallelism; else whole on every tp rank (perhaps split over ep)
                 module.experts = ExpertTensorParallel(module.experts, group, stats, sequence_parallel=sp)
             continue
-        if style is None or style == "replicate":
+        if style in ("qk_norm", "qk_norm_kv") and split_qk_norm:
+            rows = even_rows(module.weight.shape[0], tp, rank, "q_norm") if style == "qk_norm" else \
+                kv_rows(cfg.n_heads, cfg.n_kv_heads, head_dim, tp, rank)[:2]
+            _set(model, path, SplitRMSNorm(module, group, stats, rows, axis))
+            continue
+        if style in (None, "replicate", "qk_norm", "qk_norm_kv"):
             continue
         if style == "vocab_embedding":
             emb = VocabParallelEmbedding.from_embedding(module, group, stats, sequence_parallel=sp, axis=axis)
@@ -261,12 +280,12 @@ def reset_parameters(model: nn.Module, seed: int) -> None:
     its rows of :func:`~shardwise.model.transformer.initial_value` of the full tensor, so it equals the
     single-process model's ``reset_parameters(seed)`` sliced. (The model's own ``reset_parameters`` would
     initialise from the local shapes.)"""
-    from shardwise.model.transformer import initial_value
+    from shardwise.model.transformer import init_kwargs, initial_value
 
     cfg = model.cfg
     for name, p in model.named_parameters_for_init():
         info = p.tp_shard
-        full = initial_value(name, info.full_shape, seed, init_std=cfg.init_std, n_layers=cfg.n_layers)
+        full = initial_value(name, info.full_shape, seed, **init_kwargs(cfg))
         local = p.shape[info.dim] if info.dim is not None else None
         p.copy_(info.take(full, local))
 
