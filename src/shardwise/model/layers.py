@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.model.dropout import AttentionDropout, DropoutKey, Span, dropped_attention
+from shardwise.model.dropout import LANES, AttentionDropout, DropoutKey, Span, dropped_attention
 
 
 class RMSNorm(nn.Module):
@@ -193,7 +193,7 @@ class Attention(nn.Module):
             t = q.shape[2]
             positions = torch.arange(t, device=q.device)
             causal = self.causal and mask is None
-            keep = drop.keep(q.shape[0], positions, positions, t, causal=causal)
+            keep = drop.keep(q.shape[0], positions, positions, t, causal=causal, keys_aligned=t % LANES == 0)
             return dropped_attention(q, k, v, keep, drop.p, causal=causal, mask=mask)
         return F.scaled_dot_product_attention(
             q,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise.dist.comm.counting import nbytes
-from shardwise.model.dropout import dropped_attention
+from shardwise.model.dropout import LANES, dropped_attention
 
 
 def _all_to_all(x: torch.Tensor, core) -> torch.Tensor:
@@ -83,7 +83,8 @@ def ulysses_keep(core, drop, batch: int, heads: int, t: int, device=None) -> tor
     per = heads // core.size
     mine = drop.heads.index.to(device)[core.rank * per:(core.rank + 1) * per]
     every = torch.arange(core.size * t, device=device)
-    return drop.keep(batch, every, every, core.size * t, heads=mine, causal=core.causal)
+    return drop.keep(batch, every, every, core.size * t, heads=mine, causal=core.causal,
+                     keys_aligned=core.size * t % LANES == 0)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, drop=None) -> torch.Tensor:
@@ -98,7 +99,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, d
     qh = _Reshard.apply(q, core, True)
     kvh = _Reshard.apply(torch.cat((k, v)), core, True)  # keys and values in one all-to-all (batch 2B)
     kh, vh = kvh.chunk(2)
-    positions = torch.cat([core.layout.positions(t, rank=j) for j in range(n)]).to(q.device)
+    positions = torch.cat([core.layout.positions(t, rank=j, device=q.device) for j in range(n)])
     order = positions.argsort()  # gathered order -> true order
     with core.timed(qh):
         if drop is None:
