@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardwise.model.moe import MoE, Routing, capacity, count_per_expert, moe_layers
@@ -47,7 +46,8 @@ def padded_slots(experts: torch.Tensor, gates: torch.Tensor, n_experts: int, cap
     slot_gate = gates.t().reshape(-1)
     slot_token = torch.arange(n, device=experts.device).repeat(top_k)
     routed = count_per_expert(slot_expert, e)
-    position = (F.one_hot(slot_expert, e).cumsum(0) - 1).gather(1, slot_expert[:, None]).squeeze(1)
+    onehot = slot_expert[:, None] == torch.arange(e, device=experts.device)  # one_hot would check the ids on the host
+    position = (onehot.long().cumsum(0) - 1).gather(1, slot_expert[:, None]).squeeze(1)
     keep = position < cap
     row = torch.where(keep, slot_expert * cap + position, e * cap)  # a dropped slot goes to a spare row, cut off
     token = torch.zeros(e * cap + 1, dtype=slot_token.dtype, device=experts.device).scatter_(0, row, slot_token)
