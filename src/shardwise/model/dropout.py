@@ -183,18 +183,24 @@ def _linear(index: Sequence[torch.Tensor], extents: Sequence[int]) -> torch.Tens
 def _keep_blocks(blocks: torch.Tensor, p: float, key: DropoutKey, layer: int, site: str,
                  chunk: int | None = CHUNK) -> torch.Tensor:
     """``[n, 8]`` bool: the keep decisions of the eight elements of each Philox call ``blocks[i]``, ``chunk`` calls
-    per pass (None: all in one)."""
+    per pass (None: all in one, written without ``out=`` so that torch.compile traces it whole)."""
     n, thr = len(blocks), threshold(p)
+    if chunk is None:
+        words = philox4x32_(_counter(blocks, layer, site), (key.seed, key.step))
+        return torch.stack([torch.stack(((w & 0xFFFF) >= thr, w >= thr << 16), 1) for w in words], 1).view(n, LANES)
     out = torch.empty(n, 4, 2, dtype=torch.bool, device=blocks.device)
-    step = chunk or n
-    for start in range(0, n, max(step, 1)):
-        b = blocks if step >= n else blocks[start:start + step]
-        counter = [b & WORD, b >> 32, torch.full_like(b, layer & WORD), torch.full_like(b, SITES[site])]
-        for j, word in enumerate(philox4x32_(counter, (key.seed, key.step))):
-            rows = out[start:start + len(b), j] if step < n else out[:, j]
+    for start in range(0, n, chunk):
+        b = blocks[start:start + chunk]
+        for j, word in enumerate(philox4x32_(_counter(b, layer, site), (key.seed, key.step))):
+            rows = out[start:start + len(b), j]
             torch.ge(word & 0xFFFF, thr, out=rows[:, 0])  # the low half of each word
             torch.ge(word, thr << 16, out=rows[:, 1])  # the high half
     return out.view(n, LANES)
+
+
+def _counter(blocks: torch.Tensor, layer: int, site: str) -> list[torch.Tensor]:
+    """The four counter words of Philox calls ``blocks`` (module docstring)."""
+    return [blocks & WORD, blocks >> 32, torch.full_like(blocks, layer & WORD), torch.full_like(blocks, SITES[site])]
 
 
 def apply_keep(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
