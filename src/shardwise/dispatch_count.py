@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -58,6 +59,7 @@ _DATA_DEPENDENT = {"aten::nonzero", "aten::masked_select", "aten::unique_dim", "
                    "aten::is_nonzero"}
 _BOOL_INDEXED = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PACKAGE = str(Path(__file__).resolve().parent)
 _TORCH = str(Path(torch.__file__).resolve().parent)
 _HERE = str(Path(__file__).resolve())
@@ -184,6 +186,11 @@ class DispatchCounter:
             return isinstance(device, str) and device.startswith("cpu")
         return torch.device(device).type == "cpu"
 
+    def on_host(self, tensors) -> None:
+        """Say that ``tensors`` (made before the window) live on the host, e.g. an optimizer's step counts, which
+        torch keeps on the CPU unless the optimizer is fused or capturable (simulated device only)."""
+        self._mark_host(list(tensors))
+
     def sync(self, kind: str) -> None:
         self.counts.syncs[(kind, call_site())] += 1
 
@@ -288,6 +295,10 @@ class _DispatchLevel(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         c = self.c
+        if any(t not in _PLAIN for t in types):
+            if any(issubclass(t, FakeTensor) for t in types):  # shape propagation (DTensor's): no work, not counted
+                return func(*args, **kwargs)
+            return NotImplemented  # a tensor subclass (DTensor): it runs its local ops, counted here
         if c._quiet:
             return func(*args, **kwargs)
         t0 = time.perf_counter()

@@ -360,7 +360,9 @@ def pop_moe_totals(model: nn.Module) -> RouterTotals | None:
                  torch.zeros(3, m.n_experts, dtype=torch.float64, device=device) for m in layers]
     losses = [torch.stack([t.double() for t in m.stats.aux + m.stats.z]).view(2, -1).sum(1) if m.stats.aux else
               torch.zeros(2, dtype=torch.float64, device=device) for m in layers]
-    counts, losses = torch.stack(per_layer).cpu(), torch.stack(losses).sum(0).cpu()
+    counts = torch.stack(per_layer)
+    host = torch.cat([counts.reshape(-1), torch.stack(losses).sum(0)]).cpu()  # one copy for both
+    counts, losses = host[:counts.numel()].view(counts.shape), host[counts.numel():]
     routed, kept = float(counts[:, 1].sum()), float(counts[:, 0].sum())  # dropped: routed but not kept
     tail = torch.tensor([sum(m.stats.tokens for m in layers), routed, routed - kept, float(losses[0]), float(losses[1]),
                          sum(m.stats.calls for m in layers)], dtype=torch.float64)

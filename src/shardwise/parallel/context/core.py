@@ -181,9 +181,9 @@ def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:
     for c in cores.values():
         c.work, c.saved_bytes, c.calls = 0.0, 0, 0
     core = next(iter(cores.values()))
-    device = next(module.parameters()).device
-    mine = torch.tensor([total, seconds], dtype=torch.float64, device=device)
-    gathered = torch.zeros(core.size * 2, dtype=torch.float64, device=device)
+    # host tensors (the group's gloo side on a GPU machine): two numbers need no upload and no read back
+    mine = torch.tensor([total, seconds], dtype=torch.float64)
+    gathered = torch.zeros(core.size * 2, dtype=torch.float64)
     dist.all_gather_single(gathered, mine, group=core.group)
     tiles, times = gathered.view(core.size, 2).unbind(1)
     out = {"cp_attn_act_bytes": float(act)}
