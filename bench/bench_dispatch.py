@@ -371,17 +371,29 @@ def dropout_sites() -> dict:
         passes = math.ceil(causal_calls(b, h, t) / CHUNK)
         cpu.append({"shape": [b, h, t], "passes": passes, **count(attention(b, h, t, "cpu", MaskPlan(CHUNK, True)),
                                                                    "cpu")})
-    slope = (cpu[1]["ops"] - cpu[0]["ops"]) / (cpu[1]["passes"] - cpu[0]["passes"])
-    intercept = cpu[0]["ops"] - slope * cpu[0]["passes"]
+    slope, intercept = _law(cpu)
     passes = math.ceil(causal_calls(*real) / CHUNK)
-    residual_passes = math.ceil(8 * 4096 * 4096 / LANES / CHUNK)
+    res = []
+    for b, t, d in [(8, 1024, 64), (8, 2048, 64), (16, 2048, 64)]:
+        res.append({"shape": [b, t, d], "passes": math.ceil(b * t * d / LANES / CHUNK),
+                    **count(residual(b, t, d, "cpu"), "cpu")})
+    r_slope, r_intercept = _law(res)
+    r_passes = math.ceil(8 * 4096 * 4096 / LANES / CHUNK)
     out["cpu_plan"] = {"counted": cpu, "law": f"ops = {intercept:.0f} + {slope:.1f} x passes (32K Philox calls each)",
                        "law_checked_on_third": intercept + slope * cpu[2]["passes"] == cpu[2]["ops"],
                        "attn_probs_at_shape": {"passes": passes, "ops": round(intercept + slope * passes)},
-                       "residual_passes_at_shape": residual_passes,
+                       "residual_counted": res, "residual_law": f"ops = {r_intercept:.0f} + {r_slope:.1f} x passes",
+                       "residual_law_checked_on_third": r_intercept + r_slope * res[2]["passes"] == res[2]["ops"],
+                       "residual_at_shape": {"passes": r_passes, "ops": round(r_intercept + r_slope * r_passes)},
                        "syncs_before": "2 per attention site (the alignment check's bool(), the causal nonzero), "
                                        "1 per residual site (the alignment check)"}
     return out
+
+
+def _law(rows: list[dict]) -> tuple[float, float]:
+    """``(slope, intercept)`` of ops against passes through the first two rows."""
+    slope = (rows[1]["ops"] - rows[0]["ops"]) / (rows[1]["passes"] - rows[0]["passes"])
+    return slope, rows[0]["ops"] - slope * rows[0]["passes"]
 
 
 # ---- report --------------------------------------------------------------------------------------------------------
@@ -405,7 +417,7 @@ def print_table(result: dict) -> None:
     if d:
         print(f"dropout at B8 H32 T4096: attention site {d['device_plan']['attn_probs']['ops']} ops (device plan) vs "
               f"{d['cpu_plan']['attn_probs_at_shape']['ops']} (CPU plan, {d['cpu_plan']['law']}); residual site "
-              f"{d['device_plan']['residual']['ops']} ops")
+              f"{d['device_plan']['residual']['ops']} ops vs {d['cpu_plan']['residual_at_shape']['ops']}")
 
 
 def main(argv=None) -> dict:
