@@ -20,6 +20,10 @@ all-reduces, which gloo runs on CUDA tensors), MoE on one NCCL rank, and -- wher
 tp 2 with sequence parallelism, ring cp 2 and ep 2 on two NCCL ranks through the CLI. Ring attention, our
 pairwise all-to-all and the parameter server use point-to-point, which gloo runs on CPU tensors only:
 the config refuses them with ``run.device='cuda'`` on gloo.
+
+The GPU-only branches of issue 35 run here too: ZeRO's asynchronous checkpoint (pinned buffers filled on a side
+stream), dropout's whole-tensor masks (the CPU's bits, no host synchronisation on the real device), the CUDA-event
+clock, and the communication thread's device.
 """
 
 from __future__ import annotations

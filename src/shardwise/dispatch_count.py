@@ -259,24 +259,14 @@ class _FunctionLevel(TorchFunctionMode):
                 c._host.pop(out, None)  # on a CPU the upload may return the tensor itself: now a device tensor
             return out
         if not tensors:  # a factory: on the host unless told a device; from host data, a blocking upload
-            device = kwargs.get("device")
-            host = c._names_host(device)
+            host = c._names_host(kwargs.get("device"))
             if not host and name in ("tensor", "as_tensor") and args and not isinstance(args[0], torch.Tensor):
                 c.sync("to_device")
-            if host:
-                c._host_call += 1
-            try:
-                out = func(*args, **kwargs)
-            finally:
-                if host:
-                    c._host_call -= 1
-            if host:
-                c._mark_host(out)
-            return out
-        host = not any(c.on_device(t) for t in tensors)
+        else:
+            host = not any(c.on_device(t) for t in tensors)
         if not host:
             return func(*args, **kwargs)
-        c._host_call += 1
+        c._host_call += 1  # the operators inside run on the host: not device operators
         try:
             out = func(*args, **kwargs)
         finally:

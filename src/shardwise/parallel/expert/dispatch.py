@@ -9,7 +9,9 @@ back with the reverse one; the ep group is carved out of the data-parallel ranks
 
 1. the single-device block has routed and sorted its kept slots by expert (``counts[E]``);
 2. the counts are exchanged first (an all-to-all of ``E`` integers): rank ``i`` learns how many
-   tokens each peer sends to each of its local experts;
+   tokens each peer sends to each of its local experts; the splits of the next all-to-all must be known on
+   the host, so they are copied there, in one copy -- the layer's one host synchronisation (the expert-major
+   permutation is built on the device; :mod:`.padded` dispatches with none, padded to capacity);
 3. the tokens move by an all-to-all with uneven splits (the rows for experts ``j*E/ep ..`` go to
    rank ``j``) and arrive source-major; they are permuted expert-major and each local expert runs
    one matmul over its run (:meth:`shardwise.model.moe.Experts.forward`);
