@@ -28,7 +28,9 @@ law fitted on them and evaluated at the real shape.
     python bench/bench_dispatch.py --layouts one ddp --json /tmp/d.json
     python bench/bench_dispatch.py --device cuda      # on a GPU: the one-process layouts, with real CUDA tensors
 
-Operator and synchronisation counts are deterministic (the same on an idle or a loaded machine); the times are
+On a CPU ``one_dropout`` draws the CPU's masks (passes of 32K calls, a causal mask's ``nonzero``: free on a CPU,
+counted by the simulation); a GPU draws the whole-tensor plan (see the dropout sites). Operator and
+synchronisation counts are deterministic (the same on an idle or a loaded machine); the times are
 not, and the counter's own Python (~10 us per operator) is in both sides' Python time. On a CPU the counter
 simulates a device (tensors made on the host are host tensors, the rest device tensors): a read of a device
 tensor is counted as the synchronisation it is on a GPU. Ratios are ours / torch's, summed over the ranks.
@@ -105,51 +107,17 @@ def config(layout: str, args, run_dir: Path):
     return cfg
 
 
-class StepWindow:
-    """Counts the cycle between the ``first``-th call of ``cls.method`` and the next (wrapped on the class, in
-    this worker process only)."""
-
-    def __init__(self, cls, method: str, first: int, device: str):
-        from shardwise.dispatch_count import DispatchCounter
-
-        self.counter, self.calls, self.open = DispatchCounter(device), 0, False
-        original = getattr(cls, method)
-
-        def wrapped(obj, *a, **k):
-            if self.open:
-                self.counter.stop()
-                self.open = False
-            if self.calls == first:
-                self.counter.start()
-                self.counter.on_host(optimizer_steps(getattr(obj, "optimizer", None)))
-                self.open = True
-            self.calls += 1
-            return original(obj, *a, **k)
-
-        setattr(cls, method, wrapped)
-        self.restore = lambda: setattr(cls, method, original)
-
-    def close(self):
-        if self.open:
-            self.counter.stop()
-        self.restore()
-        return self.counter.counts if self.calls > 0 else None
-
-
-def optimizer_steps(optimizer) -> list[torch.Tensor]:
-    """The step counts of an optimizer's state (a ZeRO optimizer's inner one's): CPU tensors, unless fused."""
-    inner = getattr(optimizer, "inner", optimizer)
-    state = getattr(inner, "state", {})
-    return [s["step"] for s in state.values() if isinstance(s.get("step"), torch.Tensor)]
-
-
 def run_ours(cfg, args):
+    from shardwise.dispatch_count import CallWindow, optimizer_steps
     from shardwise.ps.worker import Worker
     from shardwise.train.engine import Engine
     from shardwise.worker import train
 
-    window = StepWindow(Worker, "step", args.warmup, args.device) if cfg.ps.servers else \
-        StepWindow(Engine, "forward_backward", args.warmup, args.device)
+    def host_steps(obj, counter):  # the optimizer's step counts live on the CPU
+        counter.on_host(optimizer_steps(getattr(obj, "optimizer", None)))
+
+    cls, method = (Worker, "step") if cfg.ps.servers else (Engine, "forward_backward")
+    window = CallWindow(cls, method, args.warmup, args.device, on_open=host_steps)
     try:
         train(cfg, Path(cfg.run.dir), stop_after=cfg.train.steps - 2)
     finally:
@@ -238,7 +206,7 @@ def _peer_pipeline(cfg, device: torch.device):
 
 
 def run_peer(cfg, kind: str, args):
-    from shardwise.dispatch_count import DispatchCounter
+    from shardwise.dispatch_count import DispatchCounter, optimizer_steps
 
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     step, optimizer = peer_model(cfg, kind, device)

@@ -53,6 +53,26 @@ def test_the_counter_sees_each_synchronisation_on_device_tensors_and_none_on_hos
     assert c.counts.kernels > 0 and c.counts.ops >= c.counts.kernels and c.counts.wall_s >= c.counts.op_s > 0
 
 
+def test_a_call_window_counts_one_cycle_of_a_loop_from_outside():
+    """As bench_dispatch counts the trainer's step: from the second call of ``tick`` to the third."""
+    from shardwise.dispatch_count import CallWindow
+
+    class Loop:
+        def tick(self, x):
+            return x * 2
+
+    original, x = Loop.tick, torch.ones(3)
+    window = CallWindow(Loop, "tick", 1)
+    loop = Loop()
+    for i in range(3):
+        y = loop.tick(x)
+        y.sum().item() if i == 1 else y.tolist()
+    counts = window.close()
+    assert counts.syncs_by_kind() == {"scalar": 1} and dict(counts.by_op) == {
+        "aten::mul": 1, "aten::sum": 1, "aten::_local_scalar_dense": 1}
+    assert Loop.tick is original
+
+
 # ---- dropout ------------------------------------------------------------------------------------------------
 
 

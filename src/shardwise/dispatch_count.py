@@ -30,6 +30,9 @@ reference). A read of a host tensor is free on any machine and is not counted; a
 counted as the synchronisation it would be on a GPU. The simulation is an approximation: a tensor made on
 the host before the window opened counts as a device tensor.
 
+:class:`CallWindow` counts one cycle of a loop from outside it (between two calls of a method, e.g. the trainer's
+``Engine.forward_backward``): how ``bench/bench_dispatch.py`` counts one steady-state step of the real loop.
+
 Counting costs about ten microseconds per operator (both modes are Python); the Python time it reports
 includes that, the same for every code measured side by side.
 """
@@ -215,6 +218,48 @@ class DispatchCounter:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class CallWindow:
+    """Count one cycle of a loop from outside it: from the ``first``-th call (0-based) of ``cls.method`` to the next
+    call (or :meth:`close`), e.g. ``CallWindow(Engine, "forward_backward", 2)`` around ``train(...)`` counts the
+    loop's third step whole -- upload, forward, backward, norm, optimizer, metrics -- whatever the loop does
+    between. The method is wrapped on the class in this process until :meth:`close`; ``on_open(obj, counter)``
+    runs as the window opens (e.g. to mark tensors made before it as host tensors: :meth:`DispatchCounter.on_host`)."""
+
+    def __init__(self, cls, method: str, first: int, device: str | torch.device | None = None, on_open=None):
+        self.counter, self.calls, self.open, self.first = DispatchCounter(device), 0, False, first
+        original = getattr(cls, method)
+
+        def wrapped(obj, *args, **kwargs):
+            if self.open:
+                self.counter.stop()
+                self.open = False
+            if self.calls == first:
+                self.counter.start()
+                self.open = True
+                if on_open is not None:
+                    on_open(obj, self.counter)
+            self.calls += 1
+            return original(obj, *args, **kwargs)
+
+        setattr(cls, method, wrapped)
+        self._restore = lambda: setattr(cls, method, original)
+
+    def close(self) -> Counts | None:
+        """The counts (None: the window never opened); the method is unwrapped."""
+        if self.open:
+            self.counter.stop()
+            self.open = False
+        self._restore()
+        return self.counter.counts if self.calls > self.first else None
+
+
+def optimizer_steps(optimizer) -> list[torch.Tensor]:
+    """The step counts in an optimizer's state (a ZeRO optimizer's inner one's), which torch keeps on the CPU unless
+    the optimizer is fused or capturable: for :meth:`DispatchCounter.on_host` when simulating a device."""
+    inner = getattr(optimizer, "inner", optimizer)
+    return [s["step"] for s in getattr(inner, "state", {}).values() if isinstance(s.get("step"), torch.Tensor)]
 
 
 class _FunctionLevel(TorchFunctionMode):
