@@ -82,7 +82,7 @@ def _update_waits_for_the_copy(root: str):
     from shardwise.train.state import open_checkpoint
 
     gate, real = threading.Event(), ckpt_writer.host_copy
-    ckpt_writer.host_copy = lambda pieces: (gate.wait(), real(pieces))[1]
+    ckpt_writer.host_copy = lambda pieces, *more: (gate.wait(), real(pieces, *more))[1]
     try:
         writer = ckpt_writer.CheckpointWriter(Path(root), keep=2, background=True, timeout_s=60)
         weight = torch.zeros(4)

@@ -89,6 +89,8 @@ def _context(dotted: str, value, tmp_path: Path) -> dict:
         return {"parallel.pp": 2}
     if dotted in ("parallel.cp_algorithm", "parallel.cp_balance"):
         return {"parallel.cp": 2}
+    if dotted == "parallel.ep_dispatch":
+        return {"model.n_experts": 4, "parallel.ep": 2, "model.moe_capacity_factor": 1.0}
     if dotted.startswith("ps."):
         return {"ps.servers": 1}
     return {}
@@ -368,6 +370,10 @@ PROOFS: dict[str, tuple] = {
                     Refused({"model.n_experts": 4, "parallel.nproc": 4, "parallel.ep": 3}, "does not divide"),
                     Refused({"model.n_experts": 4, "parallel.nproc": 2, "parallel.ep": 4},
                             "parallel.ep=4 does not divide parallel.dp=2")),
+    "parallel.ep_dispatch": (reads("parallel/parallelize.py"),
+                             Refused({"parallel.ep_dispatch": "padded"}, "but parallel.ep=1"),
+                             Refused({"model.n_experts": 4, "parallel.ep": 2, "parallel.ep_dispatch": "padded"},
+                                     "needs model.moe_capacity_factor > 0")),
     "parallel.zero": (reads("train/engine.py"),),
     "parallel.zero_unit": (reads("train/engine.py"),
                            Refused({"parallel.zero": 2, "parallel.zero_unit": 2}, "set parallel.zero=3")),

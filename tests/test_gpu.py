@@ -20,6 +20,10 @@ all-reduces, which gloo runs on CUDA tensors), MoE on one NCCL rank, and -- wher
 tp 2 with sequence parallelism, ring cp 2 and ep 2 on two NCCL ranks through the CLI. Ring attention, our
 pairwise all-to-all and the parameter server use point-to-point, which gloo runs on CPU tensors only:
 the config refuses them with ``run.device='cuda'`` on gloo.
+
+The GPU-only branches of issue 35 run here too: ZeRO's asynchronous checkpoint (pinned buffers filled on a side
+stream), dropout's whole-tensor masks (the CPU's bits, no host synchronisation on the real device), the CUDA-event
+clock, and the communication thread's device.
 """
 
 from __future__ import annotations
@@ -263,3 +267,56 @@ def test_two_nccl_ranks_through_the_cli(tmp_path, cache_dir, args):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert sum('"loss"' in line for line in lines) == 6
+
+
+def test_async_zero_checkpoint_on_the_gpu_resumes_the_same_run(nccl_process, gpu_reference, tmp_path, cache_dir):
+    """ZeRO-2 with ``ckpt.async``: the pieces of the shard are referenced, not copied, at the checkpoint step, and
+    the background thread copies them into pinned buffers on a side stream that waits for the step's values; the
+    run resumed from that checkpoint ends where the uninterrupted one does."""
+    zero = {"parallel.zero": 2, "ckpt.async": "true", "ckpt.every": 5}
+    on_gpu(nccl_process, tmp_path, cache_dir, "zckpt", stop_after=5, **zero)
+    resumed = on_gpu(nccl_process, tmp_path, cache_dir, "zckpt", **zero, **{"ckpt.resume": "true"})
+    assert_close(resumed, (gpu_reference[0][5:], gpu_reference[1]), SAME_DEVICE, SAME_DEVICE)
+
+
+def test_dropout_masks_on_the_gpu_are_the_cpus_and_read_nothing_back():
+    """The whole-tensor plan of a GPU draws the bits of the CPU's chunked plan (a causal attention site and a
+    residual site), with no host synchronisation counted on the real device."""
+    from shardwise.dispatch_count import DispatchCounter
+    from shardwise.model.dropout import AttentionDropout, Dropout, DropoutKey, Span
+
+    key = DropoutKey(seed=7, step=3, first_sequence=4)
+    masks = {}
+    for device in ("cpu", "cuda"):
+        attn = AttentionDropout(0.1, key, 1, Span.whole(4, device))
+        pos = torch.arange(256, device=device)
+        residual = Dropout(0.1, "mlp_out", 1).train()
+        with DispatchCounter(device) as counter:
+            masks[device] = (attn.keep(2, pos, pos, 256, causal=True, keys_aligned=True),
+                             residual(torch.ones(2, 256, 64, device=device), key) != 0)
+        if device == "cuda":
+            assert counter.counts.n_syncs == 0, counter.counts.syncs_by_site()
+    for cpu, gpu in zip(masks["cpu"], masks["cuda"], strict=True):
+        assert torch.equal(cpu, gpu.cpu())
+
+
+def test_the_event_clock_times_the_kernel_not_the_launch():
+    """CUDA events around a ~50 ms kernel measure it; the host clock around its launch does not."""
+    from shardwise.dist.clock import EventClock, HostClock
+
+    events, host = EventClock(), HostClock()
+    torch.cuda.synchronize()
+    start, h0 = events.stamp(), host.stamp()
+    torch.cuda._sleep(100_000_000)
+    end, h1 = events.stamp(), host.stamp()
+    assert events.elapsed(start, end) > 5 * host.elapsed(h0, h1)
+
+
+def test_the_comm_thread_runs_on_its_ranks_device():
+    from shardwise.dist.comm.background import CommThread
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    thread = CommThread("test", device)
+    job = thread.submit(torch.cuda.current_device)
+    thread.join()
+    assert job.result == device.index

@@ -43,15 +43,18 @@ def test_expert_parallel_equals_one_process(reference, tmp_path, cache_dir, name
     assert len(norms) == 3 and norms == pytest.approx(grad_norms(reference["dirs"][nproc]), rel=1e-5)
 
 
-def test_capacity_drops_are_the_same_on_one_rank_and_ep2(tmp_path, cache_dir):
+@pytest.mark.parametrize("dispatch,factor", [("exchange", 1.0), ("padded", 1.0), ("padded", 2.0)])
+def test_capacity_drops_are_the_same_on_one_rank_and_ep2(tmp_path, cache_dir, dispatch, factor):
     """With a capacity factor each rank drops the overflow of its own micro-batch before dispatch, exactly as
-    the single process drops it from the same micro-batch: the same tokens are dropped, the same model trains."""
-    cf = {**MOE, "model.moe_capacity_factor": 1.0}
+    the single process drops it from the same micro-batch: the same tokens are dropped, the same model trains --
+    whether the kept tokens travel by uneven all-to-alls or padded to capacity (parallel.ep_dispatch). Factor 2
+    (capacity = every token, top-2 of 4 experts) drops nothing: the padded dispatch equals the dropless model."""
+    cf = {**MOE, "model.moe_capacity_factor": factor}
     ref = run(tmp_path, cache_dir, "cf-ref", 1, **cf, **{"train.micro_batch": 4})
-    ep = run(tmp_path, cache_dir, "cf-ep2", 2, **cf, **{"parallel.ep": 2})
+    ep = run(tmp_path, cache_dir, "cf-ep2", 2, **cf, **{"parallel.ep": 2, "parallel.ep_dispatch": dispatch})
     assert_same_training(ep, ref, atol=1e-5)
     dropped = [m["moe_dropped_frac"] for m in read_metrics(tmp_path / "cf-ep2")]
-    assert all(0 < d < 1 for d in dropped), dropped
+    assert all(0 < d < 1 for d in dropped) if factor < 2 else dropped == [0, 0, 0], dropped
     assert dropped == pytest.approx([m["moe_dropped_frac"] for m in read_metrics(tmp_path / "cf-ref")], abs=1e-9)
     assert len(dropped) == 3
 

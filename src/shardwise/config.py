@@ -42,6 +42,8 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "disk")
 ZERO_PARAM_DTYPES = ("fp32", "bf16")
+EP_DISPATCHES = ("exchange", "padded")
+"""parallel.ep_dispatch (shardwise.parallel.expert.dispatch / .padded)."""
 PP_SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 """parallel.pp_schedule (the same as shardwise.parallel.pipeline.SCHEDULES, which needs torch)."""
 PP_PARTITIONS = ("even", "params", "flops")
@@ -83,6 +85,7 @@ CHOICES: dict[str, tuple] = {
     "parallel.pp_partition": PP_PARTITIONS, "parallel.backend": BACKENDS, "run.device": DEVICES,
     "comm.algorithm": COMM_ALGORITHMS, "comm.compression": COMM_COMPRESSIONS,
     "parallel.cp_algorithm": CP_ALGORITHMS, "parallel.cp_balance": CP_BALANCES,
+    "parallel.ep_dispatch": EP_DISPATCHES,
     "ps.consistency": PS_CONSISTENCIES, "ps.scheduling": PS_SCHEDULINGS,
 }
 """Every choice-valued field and the values it accepts (data.tokenizer and parallel.pp_partition also
@@ -331,6 +334,12 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size (shardwise.parallel.expert): experts split over runs of ep data-parallel ranks;
     must divide model.n_experts and parallel.dp."""
+    ep_dispatch: str = "exchange"
+    """With ep > 1: how tokens reach their experts. "exchange": the counts per expert are exchanged, then the
+    kept tokens move by an all-to-all of uneven splits (dropless or not; the host reads the splits: one host
+    synchronisation per MoE layer); "padded": every rank sends each expert exactly its capacity of rows, pads
+    included (needs model.moe_capacity_factor > 0; no host synchronisation, E x C rows computed;
+    shardwise.parallel.expert.padded)."""
     etp: int = 1
     """Expert tensor parallelism (shardwise.parallel.expert.tensor): 1 keeps every expert whole on each tp rank;
     parallel.tp splits each expert's hidden units over the tp ranks, as Megatron-Core's expert tensor parallel

@@ -23,6 +23,12 @@ sequence, the blocks' layer ids. It then draws exactly the mask one process draw
 nothing for the others: no full-size mask exists anywhere. Recomputation (activation checkpointing) is
 handed the same key and redraws the same mask.
 
+How a mask is drawn depends on the device (:class:`MaskPlan`), never its bits: on a CPU in passes of
+:data:`CHUNK` calls that stay in the cache, a causal attention mask drawing only the calls it reads; on any
+other device the whole tensor in one pass (a fixed number of operators, ~170 per site at any size, where the
+passes would launch ~150 kernels per 32K calls), with nothing read back by the host. Under ``train.compile``
+the whole-tensor plan is traced into the block's compiled region, where TorchInductor fuses the generator.
+
 The keep probability is ``1 - p`` rounded to a multiple of 2^-16 (:func:`threshold`: p = 0.1 drops with
 probability 6554 / 65536 = 0.100006); the kept values are scaled by the inverse of the probability used,
 so every activation's expectation is unchanged. Without a key (a model called by code that does not give
@@ -50,7 +56,7 @@ MODEL_LAYER = -1
 LANES = 8
 """16-bit uniforms per Philox call (four 32-bit words, two halves each)."""
 CHUNK = 1 << 15
-"""Philox calls per pass: the generator's working set (seven int64 tensors) stays in the CPU's cache."""
+"""Philox calls per pass on a CPU: the generator's working set (seven int64 tensors) stays in its cache."""
 
 
 @dataclass(frozen=True)
@@ -91,34 +97,74 @@ def keep_scale(p: float) -> float:
     return 65536 / (65536 - threshold(p))
 
 
-@torch.compiler.disable  # under torch.compile: drawn eagerly (TorchInductor cannot build CPU code for its integer ops)
+@dataclass(frozen=True)
+class MaskPlan:
+    """How a mask is drawn: ``chunk`` Philox calls per pass (None: the whole tensor in one pass, a fixed number
+    of operators whatever its size), and ``skip_unread``: a causal mask draws only the calls that hold a key
+    at or before its query, which it finds with ``nonzero`` (a data-dependent shape: a host synchronisation
+    on an accelerator, free on a CPU)."""
+
+    chunk: int | None
+    skip_unread: bool
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> MaskPlan:
+        """The CPU's plan: passes of :data:`CHUNK` calls (the working set stays in its cache) skipping the calls a
+        causal mask does not read. Any other device: the whole tensor in one pass, nothing skipped -- a GPU
+        launches ~150 kernels per mask instead of ~150 per 32K calls, and never waits for a ``nonzero``."""
+        return cls(CHUNK, True) if torch.device(device).type == "cpu" else cls(None, False)
+
+
 def keep_mask(p: float, key: DropoutKey, layer: int, site: str, index: Sequence[torch.Tensor],
-              extents: Sequence[int], causal: bool = False) -> torch.Tensor:
+              extents: Sequence[int], causal: bool = False, *, aligned: bool | None = None,
+              plan: MaskPlan | None = None) -> torch.Tensor:
     """The keep mask (bool, ``[len(i) for i in index]``) of the elements at global ``index``: ``index[0]``
     the sequences' places in the global batch, ``index[j]`` the global indices along axis ``j`` of the
     site's tensor, whose global length is ``extents[j - 1]``. Element ``(i_0, .., i_n)`` has the global
     index ``(..((i_0 e_1 + i_1) e_2 + i_2)..) e_n + i_n``.
 
     ``causal``: the last two axes are query and key positions and only keys at or before their query are
-    read (causal attention, whose probabilities elsewhere are zero): the others come back False, and the
-    Philox calls that hold none of the read ones are skipped (half of a causal attention's)."""
+    read (causal attention, whose probabilities elsewhere are zero): the others come back False.
+
+    ``aligned``: whether the last axis holds whole runs of eight (:func:`aligned_index`), which the caller
+    knows from how it built the index (None: read from the index, a host synchronisation on an accelerator);
+    ``plan``: how to draw (default :meth:`MaskPlan.for_device` of the index's device)."""
+    plan = plan or MaskPlan.for_device(index[-1].device)
+    if aligned is None:
+        aligned = aligned_index(index[-1], extents[-1])
+    draw = _draw_eagerly if plan.chunk is not None else _draw
+    return draw(p, key, layer, site, index, extents, causal, aligned, plan)
+
+
+def _draw(p: float, key: DropoutKey, layer: int, site: str, index: Sequence[torch.Tensor], extents: Sequence[int],
+          causal: bool, aligned: bool, plan: MaskPlan) -> torch.Tensor:
     shape = [len(i) for i in index]
     last, e_last = index[-1], extents[-1]
     read = (last.unsqueeze(0) <= index[-2].unsqueeze(1)) if causal else None  # [queries, keys]
-    if _aligned(last, e_last):  # every 8 local elements along the last axis are one Philox call's
+    if aligned:  # every 8 local elements along the last axis are one Philox call's
         blocks = _linear([*index[:-1], last[::LANES] // LANES], [*extents[:-1], e_last // LANES]).flatten()
         if read is None:
-            return _keep_blocks(blocks, p, key, layer, site).view(shape)
+            return _keep_blocks(blocks, p, key, layer, site, plan.chunk).view(shape)
+        if not plan.skip_unread:
+            return _keep_blocks(blocks, p, key, layer, site, plan.chunk).view(shape) & read
         calls = read[:, ::LANES].expand(*shape[:-1], shape[-1] // LANES).flatten().nonzero().squeeze(1)
         keep = torch.zeros(len(blocks), dtype=torch.int64, device=blocks.device)  # a call's 8 bools as one int64
-        keep[calls] = _keep_blocks(blocks[calls], p, key, layer, site).view(torch.int64).squeeze(1)
+        keep[calls] = _keep_blocks(blocks[calls], p, key, layer, site, plan.chunk).view(torch.int64).squeeze(1)
         return keep.view(torch.bool).view(shape) & read  # (a call is read when its first, earliest key is)
     g = _linear(index, extents).flatten()  # otherwise: each element's call, and its lane of the eight
-    keep = _keep_blocks(g // LANES, p, key, layer, site).gather(1, (g % LANES).unsqueeze(1)).view(shape)
+    keep = _keep_blocks(g // LANES, p, key, layer, site, plan.chunk).gather(1, (g % LANES).unsqueeze(1)).view(shape)
     return keep if read is None else keep & read
 
 
-def _aligned(last: torch.Tensor, extent: int) -> bool:
+_draw_eagerly = torch.compiler.disable(_draw)
+"""The CPU's plan under torch.compile: drawn eagerly (TorchInductor cannot build CPU code for its integer ops).
+The whole-tensor plan of other devices is traced into the compiled region (one fused kernel per mask)."""
+
+
+def aligned_index(last: torch.Tensor, extent: int) -> bool:
+    """Whether the global indices ``last`` along a site's last axis (of global length ``extent``) are runs of eight
+    consecutive indices starting at multiples of eight: then every eight local elements are one Philox call's.
+    Reads ``last`` (build it on the host to keep a device waiting for nothing)."""
     n = len(last)
     if extent % LANES or n % LANES:
         return False
@@ -134,18 +180,27 @@ def _linear(index: Sequence[torch.Tensor], extents: Sequence[int]) -> torch.Tens
     return g
 
 
-def _keep_blocks(blocks: torch.Tensor, p: float, key: DropoutKey, layer: int, site: str) -> torch.Tensor:
-    """``[n, 8]`` bool: the keep decisions of the eight elements of each Philox call ``blocks[i]``."""
+def _keep_blocks(blocks: torch.Tensor, p: float, key: DropoutKey, layer: int, site: str,
+                 chunk: int | None = CHUNK) -> torch.Tensor:
+    """``[n, 8]`` bool: the keep decisions of the eight elements of each Philox call ``blocks[i]``, ``chunk`` calls
+    per pass (None: all in one, written without ``out=`` so that torch.compile traces it whole)."""
     n, thr = len(blocks), threshold(p)
+    if chunk is None:
+        words = philox4x32_(_counter(blocks, layer, site), (key.seed, key.step))
+        return torch.stack([torch.stack(((w & 0xFFFF) >= thr, w >= thr << 16), 1) for w in words], 1).view(n, LANES)
     out = torch.empty(n, 4, 2, dtype=torch.bool, device=blocks.device)
-    for start in range(0, n, CHUNK):
-        b = blocks[start:start + CHUNK]
-        counter = [b & WORD, b >> 32, torch.full_like(b, layer & WORD), torch.full_like(b, SITES[site])]
-        for j, word in enumerate(philox4x32_(counter, (key.seed, key.step))):
+    for start in range(0, n, chunk):
+        b = blocks[start:start + chunk]
+        for j, word in enumerate(philox4x32_(_counter(b, layer, site), (key.seed, key.step))):
             rows = out[start:start + len(b), j]
             torch.ge(word & 0xFFFF, thr, out=rows[:, 0])  # the low half of each word
             torch.ge(word, thr << 16, out=rows[:, 1])  # the high half
     return out.view(n, LANES)
+
+
+def _counter(blocks: torch.Tensor, layer: int, site: str) -> list[torch.Tensor]:
+    """The four counter words of Philox calls ``blocks`` (module docstring)."""
+    return [blocks & WORD, blocks >> 32, torch.full_like(blocks, layer & WORD), torch.full_like(blocks, SITES[site])]
 
 
 def apply_keep(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
@@ -182,7 +237,8 @@ class Dropout(nn.Module):
                 raise ValueError(f"dropout at {self.site} of layer {self.layer}: {x.shape[1]} tokens, but this "
                                  f"process was told it holds {len(tokens.index)}")
             index, extents = [seqs, tokens.index, features], [tokens.extent, x.shape[-1]]
-        return apply_keep(x, keep_mask(self.p, dropout_key, self.layer, self.site, index, extents), self.p)
+        keep = keep_mask(self.p, dropout_key, self.layer, self.site, index, extents, aligned=x.shape[-1] % LANES == 0)
+        return apply_keep(x, keep, self.p)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, site={self.site}, layer={self.layer}"
@@ -200,11 +256,13 @@ class AttentionDropout:
     heads: Span
 
     def keep(self, batch: int, queries: torch.Tensor, keys: torch.Tensor, seq_len: int,
-             heads: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+             heads: torch.Tensor | None = None, causal: bool = False, keys_aligned: bool | None = None
+             ) -> torch.Tensor:
         """``[batch, H, len(queries), len(keys)]`` bool for query and key positions (global, in a sequence of
         ``seq_len``) of ``heads`` (global ids; default all of :attr:`heads`); ``causal``: keys after their
-        query are not drawn (False: their probabilities are zero), see :func:`keep_mask`."""
+        query come back False (their probabilities are zero); ``keys_aligned``: whether ``keys`` are runs of
+        eight (:func:`aligned_index`; None: read from ``keys``), see :func:`keep_mask`."""
         seqs = self.key.first_sequence + torch.arange(batch, device=queries.device)
         index = [seqs, self.heads.index if heads is None else heads, queries, keys]
         return keep_mask(self.p, self.key, self.layer, "attn_probs", index, [self.heads.extent, seq_len, seq_len],
-                         causal)
+                         causal, aligned=keys_aligned)

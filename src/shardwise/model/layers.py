@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.model.dropout import AttentionDropout, DropoutKey, Span
+from shardwise.model.dropout import LANES, AttentionDropout, DropoutKey, Span
 from shardwise.model.rope import RotaryEmbedding
 from shardwise.model.scores import PLAIN, ScoreRule, allowed, attend
 
@@ -160,7 +160,8 @@ class Attention(nn.Module):
         p = self.dropout if self.training else 0.0
         if drop is not None:
             positions = torch.arange(q.shape[2], device=q.device)
-            keep = drop.keep(q.shape[0], positions, positions, q.shape[2], causal=causal)
+            keep = drop.keep(q.shape[0], positions, positions, q.shape[2], causal=causal,
+                             keys_aligned=q.shape[2] % LANES == 0)
             return attend(q, k, v, rule, causal=causal, mask=mask, keep=keep, p=drop.p)
         if rule.softcap:  # no fused kernel soft-caps: the eager core (torch's generator draws a dropout)
             return attend(q, k, v, rule, causal=causal, mask=mask, p=p)

@@ -160,8 +160,9 @@ class Routing:
     """``[E]``: kept slots per expert."""
     routed: torch.Tensor
     """``[E]``: slots the router sent to each expert before the capacity drops."""
-    dropped: int
-    """Slots dropped by the capacity."""
+    dropped: int | torch.Tensor
+    """Slots dropped by the capacity (a tensor where the slots were assigned without reading the device:
+    :func:`shardwise.parallel.expert.padded.padded_slots`)."""
 
 
 def route(probs: torch.Tensor, top_k: int, capacity_factor: float) -> Routing:
@@ -232,7 +233,7 @@ class MoEStats:
         """``[3, E]`` fp64 on the router's device: per expert the slots it computed (after capacity drops), the
         slots the router sent it (before drops: the load, Switch's ``f_i`` times the slots) and its router
         probability summed over tokens (Switch's ``P_i`` times the tokens); ``None`` before the first forward."""
-        self.tokens = self.dropped = 0
+        self.tokens = 0
         self.aux: list[torch.Tensor] = []
         self.z: list[torch.Tensor] = []
 
@@ -245,7 +246,6 @@ class MoEStats:
                             probs.detach().double().sum(0)])
         self.sums = step if self.sums is None else self.sums + step
         self.tokens += probs.shape[0]
-        self.dropped += routing.dropped
         self.aux.append(aux.detach())
         self.z.append(z.detach())
 
@@ -285,7 +285,7 @@ class MoE(nn.Module):
         h = x.reshape(-1, shape[-1])
         logits = self.router(h)
         experts, gates, probs = self.router.choose(logits, self.top_k)
-        routing = assign(experts, gates, self.n_experts, self.capacity_factor)
+        routing = self.slots(experts, gates)
         y = self.experts(h.index_select(0, routing.token), routing.counts)  # backward: an index_add, not index_put
         out = combine(y, routing, h.shape[0]).to(x.dtype)
         if self.shared is not None:
@@ -294,6 +294,11 @@ class MoE(nn.Module):
         self.aux_loss = self.aux_coeff * aux + self.z_coeff * z
         self.last = (routing, probs, aux, z)
         return out.view(shape)
+
+    def slots(self, experts: torch.Tensor, gates: torch.Tensor) -> Routing:
+        """Where the tokens' choices ``experts [N, k]`` go, with their ``gates`` (:func:`assign`). (A dispatch
+        that lays the slots out otherwise, :mod:`shardwise.parallel.expert.padded`, replaces it on the instance.)"""
+        return assign(experts, gates, self.n_experts, self.capacity_factor)
 
     def router_losses(self, probs: torch.Tensor, logits: torch.Tensor, routed: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,9 +363,11 @@ def pop_moe_totals(model: nn.Module) -> RouterTotals | None:
                  torch.zeros(3, m.n_experts, dtype=torch.float64, device=device) for m in layers]
     losses = [torch.stack([t.double() for t in m.stats.aux + m.stats.z]).view(2, -1).sum(1) if m.stats.aux else
               torch.zeros(2, dtype=torch.float64, device=device) for m in layers]
-    counts, losses = torch.stack(per_layer).cpu(), torch.stack(losses).sum(0).cpu()
-    tail = torch.tensor([sum(m.stats.tokens for m in layers), float(counts[:, 1].sum()),
-                         sum(m.stats.dropped for m in layers), float(losses[0]), float(losses[1]),
+    counts = torch.stack(per_layer)
+    host = torch.cat([counts.reshape(-1), torch.stack(losses).sum(0)]).cpu()  # one copy for both
+    counts, losses = host[:counts.numel()].view(counts.shape), host[counts.numel():]
+    routed, kept = float(counts[:, 1].sum()), float(counts[:, 0].sum())  # dropped: routed but not kept
+    tail = torch.tensor([sum(m.stats.tokens for m in layers), routed, routed - kept, float(losses[0]), float(losses[1]),
                          sum(m.stats.calls for m in layers)], dtype=torch.float64)
     for m in layers:
         m.stats.reset()

@@ -225,7 +225,8 @@ class DataParallel(nn.Module):
         self._hooks = []
         asynchronous = getattr(self.all_reduce_fn, "asynchronous", self.all_reduce_fn is start_native_all_reduce)
         threaded = not asynchronous if comm_thread is None else comm_thread
-        self._thread = CommThread(f"DataParallel comm thread (rank {dist.get_rank()})") if threaded else None
+        device = self._params[0].device if self._params else None  # the thread makes it current
+        self._thread = CommThread(f"DataParallel comm thread (rank {dist.get_rank()})", device) if threaded else None
         if self.world_size == 1:
             return  # the average over one rank is the gradient itself: nothing to do
         def expert(p) -> bool:

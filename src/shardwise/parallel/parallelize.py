@@ -11,7 +11,8 @@ for Llama does the same; DESIGN.md "How layouts compose"):
    axis, positions and the loss follow the rank's share of the sequence
    (:func:`shardwise.parallel.context.apply_context_parallel`); expert parallelism over the ``ep`` axis
    (GShard, Lepikhin et al. 2021): each MoE block keeps its share of the experts and reaches them by
-   all-to-all (:func:`shardwise.parallel.expert.dispatch.apply_expert_parallel`); where a sequence's tokens
+   all-to-all (:func:`shardwise.parallel.expert.dispatch.apply_expert_parallel`, or padded to capacity with no
+   host synchronisation: :func:`shardwise.parallel.expert.padded.apply_padded_dispatch`); where a sequence's tokens
    are spread over tp (sequence parallel) or cp ranks, the MoE blocks' router losses are taken over the whole
    sequence (:func:`shardwise.parallel.expert.sequence.shard_router_losses`);
 3. dropout: every dropout site learns which global tokens and heads this rank holds, so that it draws
@@ -35,6 +36,7 @@ from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.context import apply_context_parallel
 from shardwise.parallel.dropout import place_dropout
 from shardwise.parallel.expert.dispatch import all_to_all_algorithm, apply_expert_parallel
+from shardwise.parallel.expert.padded import apply_padded_dispatch
 from shardwise.parallel.expert.sequence import shard_router_losses
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.tensor.plan import apply_tensor_parallel
@@ -55,8 +57,8 @@ def parallelize(part: nn.Module, mesh: Mesh, cfg, ledger: CommLedger) -> nn.Modu
         shard_router_losses(part, mesh.group("tp") if sp else None,
                             mesh.group("cp") if mesh.size("cp") > 1 else None, mesh.size("cp"), ledger["ep"])
     if mesh.size("ep") > 1:
-        apply_expert_parallel(part, mesh.group("ep"), ledger["ep"], all_to_all_algorithm(cfg.comm),
-                              cfg.comm.timeout_s or None)
+        apply = apply_padded_dispatch if cfg.parallel.ep_dispatch == "padded" else apply_expert_parallel
+        apply(part, mesh.group("ep"), ledger["ep"], all_to_all_algorithm(cfg.comm), cfg.comm.timeout_s or None)
     place_dropout(part, mesh, cfg)
     apply_recompute(part, cfg.train.recompute, cfg.train.recompute_every)
     if cfg.train.compile:

@@ -3,13 +3,14 @@
 Synchronously (:func:`shardwise.train.sharded.save_sharded`) every rank writes its file and the group waits for
 rank 0 to finish the checkpoint: training stops for the whole write. Asynchronously -- as torchtitan's
 ``torch.distributed.checkpoint.async_save`` and Megatron's asynchronous ``dist_checkpointing`` do -- each rank
-returns to training at once and a background thread first copies the rank's pieces to host memory (pinned on
-GPUs, so the copy runs at the link's full speed), then writes them into the same temporary directory; rank 0's
-thread, once every rank's file is there, writes ``state.json`` and the manifest and renames the directory into
-place exactly as a synchronous save does (:mod:`shardwise.train.checkpoint`). So a crash during the background
-write leaves the previous checkpoint the newest valid one, and ``--resume``, failover restarts and
-``ckpt.keep`` see nothing new. The copy overlaps the next step's forward and backward, which read the weights
-and optimizer state but do not change them; the next optimizer step waits for the copy to be done
+returns to training at once and a background thread first copies the rank's pieces to host memory (on GPUs into
+pinned buffers kept from one checkpoint to the next, by non-blocking copies on a side stream that waits for the
+step's values, so the copy runs at the link's full speed beside the next step's kernels), then writes them into the
+same temporary directory; rank 0's thread, once every rank's file is there, writes ``state.json`` and the manifest
+and renames the directory into place exactly as a synchronous save does (:mod:`shardwise.train.checkpoint`). So a
+crash during the background write leaves the previous checkpoint the newest valid one, and ``--resume``, failover
+restarts and ``ckpt.keep`` see nothing new. The copy overlaps the next step's forward and backward, which read the
+weights and optimizer state but do not change them; the next optimizer step waits for the copy to be done
 (:meth:`CheckpointWriter.before_update`), so the checkpoint holds exactly the state of its step.
 
 At most one write is in flight: the next checkpoint first waits for the previous one (and the end of the run
@@ -43,20 +44,49 @@ MARKER = ".written-{rank:05d}.json"
 """What each rank leaves next to its file in the temporary directory for rank 0 (removed before the manifest)."""
 
 
-def host_copy(pieces: list[Piece]) -> list[Piece]:
-    """The pieces' values copied to host memory (pinned when they live on a GPU), so training may change the
-    originals while the copies are written."""
-    out = []
+class PinnedStaging:
+    """Pinned host buffers for the pieces of a GPU's checkpoints, kept from one checkpoint to the next (pinning
+    memory is slow: ``cudaHostAlloc`` maps pages for the DMA engine), and the side stream that fills them.
+    At most one write is in flight (:class:`CheckpointWriter`), so the buffers of one are free by the next."""
+
+    def __init__(self):
+        self.free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self.stream: torch.cuda.Stream | None = None
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        pool = self.free.get((numel, dtype))
+        return pool.pop() if pool else torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def give_back(self, pieces: list[Piece]) -> None:
+        for p in pieces:
+            if p.values.is_pinned():
+                self.free.setdefault((p.values.numel(), p.values.dtype), []).append(p.values)
+
+
+def host_copy(pieces: list[Piece], staging: PinnedStaging | None = None, ready=None) -> list[Piece]:
+    """The pieces' values in host memory, so training may change the originals while the copies are written.
+    On a CPU a clone. From a GPU: non-blocking copies into pinned buffers (``staging``'s, reused) on a side
+    stream, which first waits for ``ready`` (an event recorded on the compute stream when the checkpoint was
+    asked for: the values of that step), then one wait for that stream alone -- the compute stream runs on."""
+    staging = staging or PinnedStaging()
+    out, sources = [], []
     for p in pieces:
         v = p.values.detach()
-        if v.device.type == "cuda":
-            host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-            host.copy_(v, non_blocking=True)
-        else:
-            host = v.clone()
-        out.append(Piece(p.key, host, p.start, p.shape))
-    if any(p.values.device.type == "cuda" for p in pieces):
-        torch.cuda.synchronize()  # the non-blocking copies are done before training goes on
+        if v.device.type != "cuda":
+            out.append(Piece(p.key, v.clone(), p.start, p.shape))
+            continue
+        if staging.stream is None:
+            staging.stream = torch.cuda.Stream(v.device)
+        if not sources and ready is not None:
+            staging.stream.wait_event(ready)
+        host = staging.take(v.numel(), v.dtype)
+        with torch.cuda.stream(staging.stream):
+            host.copy_(v.reshape(-1), non_blocking=True)
+        v.record_stream(staging.stream)  # the allocator keeps the source until the side stream has read it
+        sources.append(v)
+        out.append(Piece(p.key, host.view(v.shape), p.start, p.shape))
+    if sources:
+        staging.stream.synchronize()  # the copies are done before training may change the originals
     return out
 
 
@@ -73,6 +103,7 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._done: list[tuple[int, float]] = []
         """``(step, write seconds)`` of background writes finished and not yet reported."""
+        self._staging = PinnedStaging()
 
     def save(self, step: int, pieces: list[Piece], meta: dict[str, Any] | None, after_write=None) -> float:
         """Checkpoint ``step`` (a collective: every rank calls it); returns the seconds training stood still."""
@@ -87,8 +118,13 @@ class CheckpointWriter:
         dist.broadcast_object_list(holder, src=0)
         self._copied.clear()
         device = next((p.values.device for p in pieces if p.values.device.type == "cuda"), None)
+        ready = None
+        if device is not None:  # the step's values: the side stream starts copying once the compute stream is here
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
         self._thread = threading.Thread(target=self._write, args=(Path(holder[0]), step, pieces, meta, after_write,
-                                                                  device), name=f"checkpoint-{step}", daemon=True)
+                                                                  device, ready), name=f"checkpoint-{step}",
+                                        daemon=True)
         self._thread.start()
         return time.perf_counter() - t0
 
@@ -101,16 +137,17 @@ class CheckpointWriter:
         self._copied.wait()
         return time.perf_counter() - t0
 
-    def _write(self, tmp: Path, step: int, pieces: list[Piece], meta, after_write, device) -> None:
+    def _write(self, tmp: Path, step: int, pieces: list[Piece], meta, after_write, device, ready=None) -> None:
         t0 = time.perf_counter()
         try:
             try:
                 if device is not None:
                     torch.cuda.set_device(device)  # a new thread starts on device 0
-                pieces = host_copy(pieces)
+                pieces = host_copy(pieces, self._staging, ready)
             finally:
                 self._copied.set()
             written = write_pieces(tmp, self.rank, pieces)
+            self._staging.give_back(pieces)
             del pieces
             if after_write is not None:
                 after_write()

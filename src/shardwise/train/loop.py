@@ -19,6 +19,7 @@ import torch.distributed as dist
 from shardwise.config import Config
 from shardwise.data import DistributedWindowSampler, TokenWindows, prepare_corpus, val_indices
 from shardwise.data.objectives import objective_windows
+from shardwise.dist.clock import clock_for
 from shardwise.dist.mesh import ParallelDims, init_distributed
 from shardwise.model import Transformer
 from shardwise.parallel.context import shard_windows
@@ -252,7 +253,8 @@ def _save(cfg, writer, step, engine, scaler, sampler, rank, after_write=None) ->
     pipeline stage; global rank 0 adds every rank's RNG state and the JSON state. Layout-free: the
     checkpoint resumes on any other layout. With ``ckpt.async`` the write goes on in the background
     (train/ckpt_writer.py). Returns the seconds training stood still."""
-    t0 = time.perf_counter()
+    clock = clock_for(engine.device)  # the device's time: what the step stood still (shardwise.dist.clock)
+    start = clock.stamp()
     rng_states = train_state.gather_rng_states()
     pieces, param_groups = engine.checkpoint_pieces()
     meta = None
@@ -260,4 +262,4 @@ def _save(cfg, writer, step, engine, scaler, sampler, rank, after_write=None) ->
         pieces = pieces + train_state.rng_pieces(rng_states)
         meta = train_state.capture_meta(param_groups, scaler, sampler, step, cfg)
     writer.save(step, pieces, meta, after_write=after_write)
-    return time.perf_counter() - t0
+    return clock.elapsed(start, clock.stamp())

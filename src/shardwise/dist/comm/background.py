@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 _STOP = object()
 
 
@@ -45,8 +47,11 @@ class CommThread:
     Not thread-safe itself: one owner submits and joins.
     """
 
-    def __init__(self, name: str = "shardwise-comm"):
+    def __init__(self, name: str = "shardwise-comm", device: torch.device | None = None):
         self.name = name
+        self.device = device
+        """The device the calls' tensors live on: a CUDA one is made the thread's current device (a new thread
+        starts on device 0, where a rank whose GPU is another would run any call that names no device)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._jobs: list[Job] = []
@@ -68,6 +73,8 @@ class CommThread:
         return job
 
     def _serve(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         while True:
             item = self._queue.get()
             if item is _STOP:

@@ -8,19 +8,19 @@ work of its forward passes:
   length of one head-tail chunk (``T / 2cp``), a causal (diagonal) tile counting half -- the arithmetic of
   the blocks' shapes, what the layout promises. With head-tail balance every rank does ``2 cp`` tiles per
   layer and micro-batch; with a contiguous split rank ``r`` does ``4 r + 2``;
-* **seconds**, measured: the clock around every block computation (``time.perf_counter`` on the CPU, CUDA
-  events on a GPU), what the rank really spent -- the same imbalance seen by a clock, noise included.
+* **seconds**, measured: the clock around every block computation (:mod:`shardwise.dist.clock`: the host's on
+  a CPU, CUDA events on a GPU), what the rank really spent -- the same imbalance seen by a clock, noise included.
 """
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from shardwise.dist.clock import Clock, clock_for
 from shardwise.dist.comm.counting import CommStats, nbytes
 from shardwise.model.scores import PLAIN, ScoreRule
 from shardwise.parallel.context.blocks import BlockPair
@@ -52,9 +52,10 @@ class ContextAttention:
     calls: int = 0
     """Forward calls with gradients since the last pop (one per layer and micro-batch, more when recomputed)."""
     seconds: float = 0.0
-    """Measured time of the forward attention blocks since the last pop (CPU clock; CUDA: see ``_events``)."""
-    _events: list = field(default_factory=list, repr=False)
-    """CUDA: (start, end) event pairs of blocks whose time is read at the pop (no synchronisation before)."""
+    """Measured time of the forward attention blocks since the last pop (the device's clock, read at the pop)."""
+    _stamps: list = field(default_factory=list, repr=False)
+    """(start, end) stamps of the blocks timed since the last pop, on :attr:`_clock`."""
+    _clock: Clock | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -90,24 +91,20 @@ class ContextAttention:
 
     @contextmanager
     def timed(self, like: torch.Tensor):
-        """Measure the time of the block computed inside (``like``: one of its tensors, for the device)."""
-        if like.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._events.append((start, end))
-            return
-        t0 = time.perf_counter()
+        """Measure the time of the block computed inside (``like``: one of its tensors, for the device's clock:
+        :mod:`shardwise.dist.clock`, stamps read at :meth:`pop_seconds`, nothing waited for here)."""
+        if self._clock is None:
+            self._clock = clock_for(like.device)
+        start = self._clock.stamp()
         yield
-        self.seconds += time.perf_counter() - t0
+        self._stamps.append((start, self._clock.stamp()))
 
     def pop_seconds(self) -> float:
-        """The measured block time since the last pop (CUDA events read here, after they complete)."""
-        for start, end in self._events:
-            end.synchronize()
-            self.seconds += start.elapsed_time(end) / 1000.0
-        out, self.seconds, self._events = self.seconds, 0.0, []
+        """The measured block time since the last pop (the stamps read here, at most one wait for the device)."""
+        if self._stamps:
+            t = self._clock.seconds([s for pair in self._stamps for s in pair])
+            self.seconds += sum(t[i + 1] - t[i] for i in range(0, len(t), 2))
+        out, self.seconds, self._stamps = self.seconds, 0.0, []
         return out
 
     def count_whole(self, seq: int, fraction: float) -> None:
@@ -189,9 +186,9 @@ def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:
     for c in cores.values():
         c.work, c.saved_bytes, c.calls = 0.0, 0, 0
     core = next(iter(cores.values()))
-    device = next(module.parameters()).device
-    mine = torch.tensor([total, seconds], dtype=torch.float64, device=device)
-    gathered = torch.zeros(core.size * 2, dtype=torch.float64, device=device)
+    # host tensors (the group's gloo side on a GPU machine): two numbers need no upload and no read back
+    mine = torch.tensor([total, seconds], dtype=torch.float64)
+    gathered = torch.zeros(core.size * 2, dtype=torch.float64)
     dist.all_gather_single(gathered, mine, group=core.group)
     tiles, times = gathered.view(core.size, 2).unbind(1)
     out = {"cp_attn_act_bytes": float(act)}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardwise.model.dropout import aligned_index
 from shardwise.parallel.context.blocks import attend, attend_backward, block_backward, block_forward, block_pair
 from shardwise.parallel.context.partial import PartialAttention
 
@@ -54,7 +55,8 @@ def block_keep(core, drop, batch: int, t: int, src: int, pair, device=None) -> t
     ``src``'s keys: drawn for their global positions (the all-gather core draws the same blocks)."""
     queries = core.layout.positions(t, device=device)[pair.q]
     keys = core.layout.positions(t, rank=src, device=device)[pair.kv]
-    return drop.keep(batch, queries, keys, t * core.size, causal=core.causal)
+    aligned = aligned_index(core.layout.positions(t, rank=src)[pair.kv], t * core.size)  # on the host: no wait
+    return drop.keep(batch, queries, keys, t * core.size, causal=core.causal, keys_aligned=aligned)
 
 
 class RingAttentionFunction(torch.autograd.Function):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise.dist.comm.counting import nbytes
+from shardwise.model.dropout import LANES
 from shardwise.model.scores import PLAIN, ScoreRule, attend
 
 
@@ -83,7 +84,8 @@ def ulysses_keep(core, drop, batch: int, heads: int, t: int, device=None) -> tor
     per = heads // core.size
     mine = drop.heads.index.to(device)[core.rank * per:(core.rank + 1) * per]
     every = torch.arange(core.size * t, device=device)
-    return drop.keep(batch, every, every, core.size * t, heads=mine, causal=core.causal)
+    return drop.keep(batch, every, every, core.size * t, heads=mine, causal=core.causal,
+                     keys_aligned=core.size * t % LANES == 0)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, drop=None,
@@ -103,7 +105,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core, d
         kh, vh = _Reshard.apply(torch.cat((k, v)), core, True).chunk(2)  # keys and values in one all-to-all
     else:  # values of their own width (multi-head latent attention)
         kh, vh = _Reshard.apply(k, core, True), _Reshard.apply(v, core, True)
-    positions = torch.cat([core.layout.positions(t, rank=j) for j in range(n)]).to(q.device)
+    positions = torch.cat([core.layout.positions(t, rank=j, device=q.device) for j in range(n)])
     order = positions.argsort()  # gathered order -> true order
     qh, kh, vh = qh[:, :, order], kh[:, :, order], vh[:, :, order]
     with core.timed(qh):

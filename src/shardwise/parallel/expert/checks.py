@@ -59,6 +59,14 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}; use one of {divisors(p.dp)}")
     if p.etp != 1:
         check_expert_tensor_parallel(cfg)
+    choice("parallel.ep_dispatch", p.ep_dispatch)
+    if p.ep > 1 and p.ep_dispatch == "padded":
+        if not m.moe_capacity_factor:
+            raise ConfigError("parallel.ep_dispatch='padded' sends every expert its capacity of rows: it needs "
+                              "model.moe_capacity_factor > 0; set one or use parallel.ep_dispatch='exchange'")
+        if p.etp > 1:
+            raise ConfigError(f"parallel.ep_dispatch='padded' with parallel.etp={p.etp}: experts split over tp are "
+                              "fed by the exchanging dispatch only; use parallel.ep_dispatch='exchange'")
     if p.ep > 1 and cfg.comm.algorithm != "native" and cfg.run.device == "cuda" and p.backend == "gloo":
         raise ConfigError(f"parallel.ep={p.ep} with run.device='cuda' and parallel.backend='gloo': our pairwise "
                           f"all-to-all (comm.algorithm={cfg.comm.algorithm!r}) sends tokens point to point, and "
@@ -96,7 +104,9 @@ def unused(cfg: Config) -> list[Unused]:
     why = "configures mixture-of-experts blocks, but model.n_experts=0; set model.n_experts or remove it"
     bias = (f"moves the sigmoid_bias router's balancing bias, but model.moe_router={m.moe_router!r} has none; "
             "set model.moe_router='sigmoid_bias' or remove it")
+    dispatch = "chooses how tokens reach experts split over ranks, but parallel.ep=1; set parallel.ep or remove it"
     return [Unused(f"model.{k}", m.n_experts > 0, why) for k in MOE_FIELDS] + [
+        Unused("parallel.ep_dispatch", cfg.parallel.ep > 1, dispatch),
         Unused("model.moe_bias_rate", m.n_experts > 0 and m.moe_router == "sigmoid_bias", bias),
         Unused("model.moe_group_top_k", m.n_experts > 0 and m.moe_groups > 1, "picks among expert groups, but "
                f"model.moe_groups={m.moe_groups}; set model.moe_groups > 1 or remove it")]

@@ -9,7 +9,9 @@ back with the reverse one; the ep group is carved out of the data-parallel ranks
 
 1. the single-device block has routed and sorted its kept slots by expert (``counts[E]``);
 2. the counts are exchanged first (an all-to-all of ``E`` integers): rank ``i`` learns how many
-   tokens each peer sends to each of its local experts;
+   tokens each peer sends to each of its local experts; the splits of the next all-to-all must be known on
+   the host, so they are copied there, in one copy -- the layer's one host synchronisation (the expert-major
+   permutation is built on the device; :mod:`.padded` dispatches with none, padded to capacity);
 3. the tokens move by an all-to-all with uneven splits (the rows for experts ``j*E/ep ..`` go to
    rank ``j``) and arrive source-major; they are permuted expert-major and each local expert runs
    one matmul over its run (:meth:`shardwise.model.moe.Experts.forward`);
@@ -100,18 +102,18 @@ class ExpertParallel(Experts):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
         ep, n_local = self.ep, self.n_local
-        sent = torch.as_tensor(counts, dtype=torch.int64, device=x.device).clone()
+        sent = torch.as_tensor(counts, dtype=torch.int64, device=x.device).contiguous()
         got = torch.empty_like(sent)  # got[i * n_local + e]: tokens rank i sends to local expert e
         all_to_all(got, sent, self.group, self.algorithm, verify=False, timeout_s=self.timeout_s, stats=self.stats)
-        got = got.view(ep, n_local).cpu()
-        in_splits = sent.view(ep, n_local).sum(1).tolist()
-        out_splits = got.sum(1).tolist()
+        got = got.view(ep, n_local)
+        # the uneven all-to-all needs its splits on the host: the layer's one host synchronisation (both in one copy)
+        splits = torch.stack((sent.view(ep, n_local).sum(1), got.sum(1))).cpu()
+        in_splits, out_splits = splits[0].tolist(), splits[1].tolist()
         arrived = dispatch(x, out_splits, in_splits, self.group, self.algorithm, self.stats, self.timeout_s)
-        perm = expert_major(got, torch.cumsum(got.sum(1), 0) - got.sum(1))
-        y = super().forward(arrived.index_select(0, perm.to(arrived.device)), got.sum(0).to(x.device))  # also none
-        back = torch.empty_like(perm)
-        back[perm] = torch.arange(perm.numel())
-        return dispatch(y.index_select(0, back.to(y.device)), in_splits, out_splits, self.group, self.algorithm,
+        perm = expert_major(got, torch.cumsum(got.sum(1), 0) - got.sum(1), sum(out_splits))
+        y = super().forward(arrived.index_select(0, perm), got.sum(0))  # also none
+        back = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+        return dispatch(y.index_select(0, back), in_splits, out_splits, self.group, self.algorithm,
                         self.stats, self.timeout_s)
 
     def extra_repr(self) -> str:
@@ -136,12 +138,15 @@ class ExpertParallelTensorParallel(ExpertParallel, ExpertTensorParallel):
 
 
 def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup, stats: CommStats | None = None,
-                          algorithm: str = "pairwise", timeout_s: float | None = None) -> nn.Module:
+                          algorithm: str = "pairwise", timeout_s: float | None = None,
+                          experts_class: type[ExpertParallel] | None = None) -> nn.Module:
     """Swap every MoE block's :class:`Experts` in ``model`` (holding real values) for this rank's
     :class:`ExpertParallel` over ``group`` (``mesh.group("ep")``) -- experts already split over tp
-    (:class:`ExpertTensorParallel`) keep their split; returns ``model``."""
+    (:class:`ExpertTensorParallel`) keep their split; ``experts_class``: another dispatch (a subclass, e.g.
+    :class:`~shardwise.parallel.expert.padded.PaddedExpertParallel`); returns ``model``."""
     for moe in moe_layers(model):
         cls = ExpertParallelTensorParallel if isinstance(moe.experts, ExpertTensorParallel) else ExpertParallel
+        cls = experts_class or cls
         moe.experts = cls(moe.experts, group, stats, algorithm, timeout_s)
     return model
 

@@ -117,11 +117,13 @@ class ExpertTensorParallel(Experts):
         if self.tp_stats is not None:
             self.tp_stats.hand(nbytes(every), backend=True)
         dist.all_gather_single(every, counts.contiguous(), group=self.tp_group)
-        every = every.view(self.tp, -1).cpu()  # every[i, e]: rows tp rank i routed to expert e
-        longest = int(every.sum(1).max())
+        every = every.view(self.tp, -1)  # every[i, e]: rows tp rank i routed to expert e
+        per_rank = every.sum(1).cpu()  # the pad length and the rows: the one host synchronisation
+        longest, rows = int(per_rank.max()), int(per_rank.sum())
         padded = gather_rows(F.pad(x, (0, 0, 0, longest - x.shape[0])), self.tp_group, self.tp_stats)
-        order = expert_major(every, torch.arange(self.tp) * longest).to(x.device)  # ``padded``'s rows by expert
-        y = Experts.forward(self, padded.index_select(0, order), every.sum(0).to(x.device))
+        starts = torch.arange(self.tp, device=every.device) * longest
+        order = expert_major(every, starts, rows)  # ``padded``'s rows by expert
+        y = Experts.forward(self, padded.index_select(0, order), every.sum(0))
         partial = y.new_zeros(padded.shape[0], y.shape[-1]).index_copy(0, order, y)
         return reduce_scatter_rows(partial, self.tp_group, self.tp_stats)[: x.shape[0]]
 
@@ -129,14 +131,19 @@ class ExpertTensorParallel(Experts):
         return f"hidden units {self.tp_rank + 1}/{self.tp} of every expert, sequence_parallel={self.sequence_parallel}"
 
 
-def expert_major(counts: torch.Tensor, source_starts: torch.Tensor) -> torch.Tensor:
+def expert_major(counts: torch.Tensor, source_starts: torch.Tensor, rows: int) -> torch.Tensor:
     """Indices of rows laid out source-major -- source ``i``'s rows from ``source_starts[i]`` on, sorted by
     expert, ``counts[i, e]`` of them for expert ``e`` -- in expert-major order (expert ``e``'s rows of source 0,
-    then of source 1, ...)."""
-    starts = torch.cumsum(counts, 1) - counts + source_starts[:, None]
-    pieces = [torch.arange(int(starts[i, e]), int(starts[i, e] + counts[i, e]))
-              for e in range(counts.shape[1]) for i in range(counts.shape[0])]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    then of source 1, ...); ``rows``: ``counts.sum()``, known on the host. Computed where ``counts`` lives, with
+    no host synchronisation (``repeat_interleave`` told its output size)."""
+    sources, experts = counts.shape
+    starts = (torch.cumsum(counts, 1) - counts + source_starts[:, None]).reshape(-1)  # of run (i, e), source-major
+    runs = counts.t().reshape(-1)  # run (e, i) in expert-major order
+    run = torch.repeat_interleave(torch.arange(runs.numel(), device=counts.device), runs, output_size=rows)
+    first = torch.cumsum(runs, 0) - runs  # where each run begins in the expert-major order
+    within = torch.arange(rows, device=counts.device) - first[run]
+    source, expert = run % sources, torch.div(run, sources, rounding_mode="floor")
+    return starts[source * experts + expert] + within
 
 
 def apply_expert_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, stats: CommStats | None = None,

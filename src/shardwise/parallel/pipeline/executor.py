@@ -24,13 +24,13 @@ run ``B`` with the chunks' linear layers deferring their weight gradients to a p
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.dist.clock import clock_for
 from shardwise.dist.comm.counting import CommStats
 from shardwise.model.moe import moe_aux_loss, moe_layers
 from shardwise.parallel.pipeline.checks import check_schedule
@@ -45,7 +45,7 @@ from shardwise.parallel.pipeline.schedules import (
     W,
     build_schedule,
 )
-from shardwise.parallel.pipeline.timeline import Event, Timeline
+from shardwise.parallel.pipeline.timeline import Recorder, Timeline
 from shardwise.parallel.pipeline.transfer import P2P, message_tag
 from shardwise.parallel.pipeline.zero_bubble import WeightGradStore, defer_linear_weight_grads
 
@@ -109,6 +109,8 @@ class Pipeline:
         self.d_model, self.act_dtype, self.device = d_model, act_dtype, torch.device(device)
         self.seq_shards = seq_shards
         self.timeline = Timeline(self.rank)
+        """The last step's events (made after the step from the stamps of :attr:`clock`)."""
+        self.clock = clock_for(self.device)
         self.plan = _plan(self.actions)
         self.split_backward = any(a.kind == W for a in self.actions)
         self.weight_grads = WeightGradStore()
@@ -153,8 +155,8 @@ class Pipeline:
         x_mbs = split_microbatches(inputs, self.m)
         y_mbs = split_microbatches(targets, self.m)
         act_shape = self.activation_shape(x_mbs[0].shape)
-        tl = self.timeline = Timeline(self.rank)
-        tl.start = time.perf_counter()
+        tl = Recorder(self.rank, self.clock)
+        tl.start = tl.now()
         self.weight_grads.clear()
         saved_in: dict[tuple[int, int], torch.Tensor] = {}
         saved_out: dict[tuple[int, int], torch.Tensor] = {}
@@ -179,14 +181,14 @@ class Pipeline:
                 else:  # SEND_B: the gradient of this stage's input
                     tensor = saved_in.pop(key).grad.to(self.act_dtype)
                 ops.append((a, tensor))
-            t0 = time.perf_counter()
+            t0 = tl.now()
             works = self.comm.post(ops)
-            t1 = time.perf_counter()
+            t1 = tl.now()
             if len(works) != len(ops):  # a coalescing backend returns one handle for the batch
                 works = [works[-1]] * len(ops)
             for (a, tensor), work in zip(ops, works, strict=True):
                 kind = "send" if a.kind.startswith("send") else "recv"
-                tl.events.append(Event(kind, self.stage(a.chunk), a.mb, t0, t1))
+                tl.add(kind, self.stage(a.chunk), a.mb, t0, t1)
                 if kind == "send":
                     sends.append((work, tensor))
                 else:
@@ -245,7 +247,8 @@ class Pipeline:
                 work.wait()
         self._sync_tied_grads(tl)
         self.aux_loss = aux_sum / self.m
-        tl.end = time.perf_counter()
+        tl.end = tl.now()
+        self.timeline = tl.timeline()  # the device's stamps read once, after the step
         if losses:
             return torch.stack(losses).mean()
         return None
@@ -275,7 +278,7 @@ class Pipeline:
                                      message_tag(SEND_F, s + 1, self.m + 2, self.n_stages))], [], count=False)
         return None
 
-    def _sync_tied_grads(self, tl: Timeline) -> None:
+    def _sync_tied_grads(self, tl: Recorder) -> None:
         """Add the gradients of the two copies of a tied weight (first stage, last stage)."""
         tied = [(c, w) for c, chunk in enumerate(self.chunks) if (w := getattr(chunk, "tied_weight", None)) is not None]
         if not tied:

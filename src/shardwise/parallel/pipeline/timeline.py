@@ -2,8 +2,11 @@
 
 A :class:`Timeline` holds one rank's events of one step -- ``F``/``B``/``W`` (compute; ``W`` only in
 split-backward schedules), ``send``/``recv`` (posting communication) and ``wait`` (blocked on a
-receive) -- as ``(kind, stage, mb, start, end)`` with ``time.perf_counter`` seconds
-(``CLOCK_MONOTONIC`` on Linux, so comparable between processes of one machine).
+receive) -- as ``(kind, stage, mb, start, end)`` in seconds of the host's ``perf_counter``
+(``CLOCK_MONOTONIC`` on Linux, so comparable between processes of one machine). A :class:`Recorder` takes
+them while the step runs on the device's clock (:mod:`shardwise.dist.clock`: the host clock on a CPU, CUDA
+events on the compute stream on a GPU, where a host clock would time the launches) and makes the timeline
+after the step, reading the device once.
 :func:`bubble_fraction` compares the busy time of every rank with the span of the whole step;
 :func:`replayed_bubble` replays the schedule with the measured compute times and free communication, which
 separates what the stages' unequal work costs from what executing the schedule costs. The
@@ -16,12 +19,13 @@ https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU)
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from shardwise.dist.clock import Clock, HostClock
 from shardwise.parallel.pipeline.schedules import Action, simulate
 
 COMPUTE = ("F", "B", "W")
@@ -48,17 +52,44 @@ class Timeline:
     start: float = 0.0
     end: float = 0.0
 
-    @contextmanager
-    def record(self, kind: str, stage: int, mb: int):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.events.append(Event(kind, stage, mb, t0, time.perf_counter()))
-
     def busy(self) -> float:
         """Seconds spent in forward and backward computation."""
         return sum(e.end - e.start for e in self.events if e.kind in COMPUTE)
+
+
+class Recorder:
+    """One rank's step as it runs: ``(kind, stage, mb)`` intervals stamped on ``clock``, made a :class:`Timeline`
+    by :meth:`timeline` after the step (one read of the clock)."""
+
+    def __init__(self, rank: int, clock: Clock | None = None):
+        self.rank, self.clock = rank, clock or HostClock()
+        self.spans: list[tuple[str, int, int, Any, Any]] = []
+        self.peak_live = 0
+        self.start = self.end = None
+
+    def now(self) -> Any:
+        return self.clock.stamp()
+
+    def add(self, kind: str, stage: int, mb: int, start: Any, end: Any) -> None:
+        self.spans.append((kind, stage, mb, start, end))
+
+    @contextmanager
+    def record(self, kind: str, stage: int, mb: int):
+        t0 = self.clock.stamp()
+        try:
+            yield
+        finally:
+            self.spans.append((kind, stage, mb, t0, self.clock.stamp()))
+
+    def timeline(self) -> Timeline:
+        """The step's timeline in host seconds (the start and end stamps default to the first and last event's)."""
+        start = self.start if self.start is not None else self.spans[0][3] if self.spans else self.now()
+        end = self.end if self.end is not None else self.spans[-1][4] if self.spans else start
+        stamps = [start, end] + [s for *_, a, b in self.spans for s in (a, b)]
+        seconds = self.clock.seconds(stamps)
+        events = [Event(kind, stage, mb, seconds[2 + 2 * i], seconds[3 + 2 * i])
+                  for i, (kind, stage, mb, _, _) in enumerate(self.spans)]
+        return Timeline(self.rank, events, self.peak_live, seconds[0], seconds[1])
 
 
 def bubble_fraction(timelines: Sequence[Timeline]) -> float:

@@ -32,12 +32,13 @@ def zero_checkpoint_pieces(engine, optimizer, with_buffers: bool, ref_map=None) 
     streamed = engine.masters.disk is not None  # disk offload: a unit's state holds values only while resident
 
     def snapshot(t: torch.Tensor) -> torch.Tensor:
-        """``t`` on the host for the writer: a copy where its storage is reused once the unit leaves memory (disk
-        offload) or lives on a GPU, else the tensor itself -- a synchronous save writes it at once, and a background
-        one copies it before the next optimizer step may change it (train/ckpt_writer.py), so the training
-        thread does not copy the shard at the checkpoint step."""
+        """``t`` for the writer: a host copy where its storage is reused once the unit leaves memory (disk
+        offload), else the tensor itself, wherever it lives -- a synchronous save copies it to the host as it
+        writes, and a background one copies it (from a GPU into pinned buffers on a side stream) before the next
+        optimizer step may change it (train/ckpt_writer.py): the training thread copies nothing at the
+        checkpoint step."""
         t = t.detach().reshape(-1) if t.dim() > 0 else t.detach()
-        return t.cpu().clone() if streamed else t.cpu()
+        return t.cpu().clone() if streamed else t
 
     pieces: list[Piece] = []
     for u in engine.units:
