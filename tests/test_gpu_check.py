@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_gpu_check_dry_run_runs_every_step_and_summarises(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900, env=os.environ.copy())
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     check = json.loads((tmp_path / "gpu_check.json").read_text())
     assert check["ok"] and check["dry_run"]
