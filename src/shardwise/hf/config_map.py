@@ -18,7 +18,10 @@ before any worker starts.
   ``softmax_renorm`` over ``softmax``; no shared experts. Neither has the ``sigmoid_bias`` router.
 
 Anything else (another ``model_type``, rope scaling, biases in Llama, another activation) is refused with
-one line naming the key, its value and what we accept -- a silently different model would be worse.
+one line naming the key, its value and what we accept -- a silently different model would be worse. A key a
+``config.json`` leaves out means what ``transformers``' config class of that family assumes
+(:data:`HF_DEFAULTS`), except the keys that fix the model's size (:data:`HF_REQUIRED`), whose absence is refused
+in one line: ``transformers`` would assume another model's size there. A new family adds its rows to both.
 """
 
 from __future__ import annotations
@@ -34,6 +37,40 @@ MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForC
 """The ``transformers`` MoE model_type -> class (llama flavour with experts)."""
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 """The tanh approximation of GELU under its two ``transformers`` names (our GeluMLP)."""
+
+_LLAMA_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+                "max_position_embeddings")
+HF_REQUIRED: dict[str, tuple[str, ...]] = {
+    "gpt2": ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions"),
+    "llama": _LLAMA_SIZES,
+    "mixtral": (*_LLAMA_SIZES, "num_local_experts", "num_experts_per_tok"),
+    "qwen3_moe": (*_LLAMA_SIZES, "num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    "bert": _LLAMA_SIZES,
+}
+"""Per ``model_type``: the keys that fix the model's size. A config.json without one is refused, naming it."""
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt2": {"n_inner": None, "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
+             "tie_word_embeddings": True, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False},
+    "llama": {"num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False},
+    "mixtral": {"num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                "hidden_act": "silu", "tie_word_embeddings": False, "sliding_window": None,
+                "router_jitter_noise": 0.0},
+    "qwen3_moe": {"num_key_value_heads": 4, "head_dim": None, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                  "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+                  "sliding_window": None, "use_sliding_window": False, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "bert": {"hidden_act": "gelu", "type_vocab_size": 2, "position_embedding_type": "absolute",
+             "layer_norm_eps": 1e-12, "tie_word_embeddings": True},
+}
+"""Per ``model_type``: what ``transformers``' config class assumes for each optional key we read, where a
+config.json leaves it out (or null). ``None`` means the class derives it: Llama's key/value heads are its heads,
+``head_dim`` is hidden_size / heads, GPT-2's ``n_inner`` is 4 x n_embd. tests/test_hf.py holds every family's
+import of a config.json with only the required keys against ``transformers``' own reading of it."""
+HF_ALIASES: dict[str, dict[str, str]] = {"mixtral": {"num_experts": "num_local_experts"},
+                                         "qwen3_moe": {"num_local_experts": "num_experts"}}
+"""Per ``model_type``: another name ``transformers`` accepts (and may write) for a key we read (its config class's
+``attribute_map``)."""
 
 
 class HFError(ValueError):
@@ -57,8 +94,22 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
         raise HFError(f"{path} is not valid JSON: {e}") from None
 
 
+def with_defaults(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """``hf`` with ``transformers``' default for every optional key it leaves out or sets to null
+    (:data:`HF_DEFAULTS`); HFError, naming the key, for a missing one that fixes the model's size."""
+    kind = hf.get("model_type")
+    given = {HF_ALIASES.get(kind, {}).get(k, k): v for k, v in hf.items() if v is not None}
+    for key in HF_REQUIRED.get(kind, ()):
+        if key not in given:
+            raise HFError(f"{where}: {key} is missing; a {kind} config.json must give it (it fixes the model's "
+                          "size: transformers would assume its default model's)")
+    return {**HF_DEFAULTS.get(kind, {}), **given}
+
+
 def model_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
-    """Our ``model.*`` fields for a ``transformers`` config (HFError for one we cannot map exactly)."""
+    """Our ``model.*`` fields for a ``transformers`` config (HFError for one we cannot map exactly); a key it leaves
+    out means what ``transformers`` assumes (:func:`with_defaults`)."""
+    hf = with_defaults(hf, where)
     kind = hf.get("model_type")
     if kind == "gpt2":
         return _gpt2_fields(hf, where)
@@ -81,21 +132,20 @@ def _require(hf: dict, key: str, ok: bool, valid: str, where: str) -> None:
 
 
 def _gpt2_fields(hf: dict, where: str) -> dict[str, Any]:
-    act = hf.get("activation_function", "gelu_new")
+    act = hf["activation_function"]
     _require(hf, "activation_function", act in GPT2_ACTIVATIONS, f"use one of {GPT2_ACTIVATIONS}", where)
-    _require(hf, "scale_attn_weights", hf.get("scale_attn_weights", True), "use true", where)
-    _require(hf, "scale_attn_by_inverse_layer_idx", not hf.get("scale_attn_by_inverse_layer_idx", False),
-             "use false", where)
+    _require(hf, "scale_attn_weights", hf["scale_attn_weights"], "use true", where)
+    _require(hf, "scale_attn_by_inverse_layer_idx", not hf["scale_attn_by_inverse_layer_idx"], "use false", where)
     d = hf["n_embd"]
     return dict(flavor="gpt2", n_layers=hf["n_layer"], d_model=d, n_heads=hf["n_head"], n_kv_heads=hf["n_head"],
                 d_ff=hf.get("n_inner") or 4 * d, vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
-                norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+                norm_eps=float(hf["layer_norm_epsilon"]), tie_embeddings=bool(hf["tie_word_embeddings"]))
 
 
 def rope_theta_of(hf: dict, where: str = "config.json") -> float:
     """The rotary base: ``rope_theta`` (transformers 4) or ``rope_parameters.rope_theta`` (transformers 5);
-    any rope scaling is refused (our rotary embedding has none)."""
+    any rope scaling is refused (our rotary embedding has none). (``hf`` with its family's defaults: a missing
+    base is the family's, :data:`HF_DEFAULTS`.)"""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     for key, block in (("rope_parameters", params), ("rope_scaling", scaling)):
@@ -108,15 +158,15 @@ def rope_theta_of(hf: dict, where: str = "config.json") -> float:
 def _llama_fields(hf: dict, where: str) -> dict[str, Any]:
     for key in ("attention_bias", "mlp_bias"):
         _require(hf, key, not hf.get(key, False), "use false (our llama flavour has no biases)", where)
-    _require(hf, "hidden_act", hf.get("hidden_act", "silu") == "silu", "use 'silu'", where)
+    _require(hf, "hidden_act", hf["hidden_act"] == "silu", "use 'silu'", where)
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // heads
     _require(hf, "head_dim", head_dim * heads == d, f"use hidden_size / num_attention_heads = {d // heads}", where)
     return dict(flavor="llama", n_layers=hf["num_hidden_layers"], d_model=d, n_heads=heads,
                 n_kv_heads=hf.get("num_key_value_heads") or heads, d_ff=hf["intermediate_size"],
                 vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
-                norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta_of(hf, where),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+                norm_eps=float(hf["rms_norm_eps"]), rope_theta=rope_theta_of(hf, where),
+                tie_embeddings=bool(hf["tie_word_embeddings"]))
 
 
 def _moe_fields(hf: dict, where: str) -> dict[str, Any]:
@@ -126,29 +176,27 @@ def _moe_fields(hf: dict, where: str) -> dict[str, Any]:
     if hf.get("sliding_window") is not None and hf.get("use_sliding_window", kind == "mixtral"):
         _require(hf, "sliding_window", False, "use null (our attention has no sliding window)", where)
     _require(hf, "router_jitter_noise", not hf.get("router_jitter_noise"), "use 0.0 (no router noise)", where)
-    experts = hf.get("num_local_experts", hf.get("num_experts"))
+    experts = hf["num_local_experts" if kind == "mixtral" else "num_experts"]
     fields.update(n_experts=experts, moe_top_k=hf["num_experts_per_tok"], moe_shared=0)
     if kind == "mixtral":
         return {**fields, "moe_every": 1, "moe_router": "softmax_renorm", "moe_d_ff": None, "qk_norm": False}
     _require(hf, "mlp_only_layers", not hf.get("mlp_only_layers"), "use [] (MoE blocks every decoder_sparse_step)",
              where)
-    return {**fields, "moe_every": hf.get("decoder_sparse_step", 1), "qk_norm": True,
-            "moe_router": "softmax_renorm" if hf.get("norm_topk_prob", True) else "softmax",
+    return {**fields, "moe_every": hf["decoder_sparse_step"], "qk_norm": True,
+            "moe_router": "softmax_renorm" if hf["norm_topk_prob"] else "softmax",
             "moe_d_ff": hf["moe_intermediate_size"]}
 
 
 def _bert_fields(hf: dict, where: str) -> dict[str, Any]:
-    _require(hf, "hidden_act", hf.get("hidden_act", "gelu") == "gelu", "use 'gelu' (the exact GELU)", where)
-    _require(hf, "type_vocab_size", hf.get("type_vocab_size", 2) == 2, "use 2", where)
-    _require(hf, "position_embedding_type", hf.get("position_embedding_type", "absolute") == "absolute",
-             "use 'absolute'", where)
+    _require(hf, "hidden_act", hf["hidden_act"] == "gelu", "use 'gelu' (the exact GELU)", where)
+    _require(hf, "type_vocab_size", hf["type_vocab_size"] == 2, "use 2", where)
+    _require(hf, "position_embedding_type", hf["position_embedding_type"] == "absolute", "use 'absolute'", where)
     classifier = "BertForSequenceClassification" in (hf.get("architectures") or [])
     n_classes = len(hf.get("id2label") or {}) or hf.get("num_labels", 2) if classifier else 0
     return dict(flavor="bert", n_classes=n_classes, n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
                 n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_attention_heads"], d_ff=hf["intermediate_size"],
                 vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
-                norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+                norm_eps=float(hf["layer_norm_eps"]), tie_embeddings=bool(hf["tie_word_embeddings"]))
 
 
 def hf_config(m, eos_id: int | None = None, bos_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
