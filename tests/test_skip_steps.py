@@ -186,3 +186,15 @@ def test_skip_grad_norm_above_skips_spikes(tmp_path, cache_dir):
                                                                           "train.skip_grad_norm_above": 1e-9})[0]
     for key, value in guarded[1].items():
         assert torch.equal(value, initial[key]), key
+
+
+def test_fp16_backs_off_on_every_rank_from_the_same_verdict(tmp_path, cache_dir):
+    """Rank 1's gradient overflows after the reduction: rank 0 found no overflow of its own, yet skips and halves
+    its loss scale too (the scaler's flag is the step's verdict), so the ranks' scales never drift apart."""
+    from shardwise.train.metrics import read_metrics
+
+    results = _run(tmp_path, cache_dir, "fp16", 2, **{**DENSE, "train.steps": 3, "train.precision": "fp16",
+                                                       "run.fault": f"nan_grad@{BAD}:r1"})
+    assert [r[3] for r in results] == [[BAD], [BAD]]
+    scales = [r["loss_scale"] for r in read_metrics(tmp_path / "fp16") if "loss_scale" in r]
+    assert scales == [2.0**16, 2.0**15, 2.0**15]
