@@ -85,6 +85,8 @@ class FaultPlan:
         attempt = restart_attempt() if attempt is None else attempt
         fault = faults[attempt] if attempt < len(faults) else None
         self.fault = fault if fault is not None and fault.rank == rank else None
+        self.attempt_fault = fault
+        """This attempt's fault, on whichever rank it fires."""
 
     def after_step(self, step: int) -> None:
         """Called once optimizer step ``step`` is done and logged (before its checkpoint)."""
@@ -95,8 +97,9 @@ class FaultPlan:
             _fire(f.kind)
 
     def fires_after(self, step: int) -> bool:
-        """Whether :meth:`after_step` ends this attempt at ``step`` (so the loop logs the step first)."""
-        f = self.fault
+        """Whether :meth:`after_step` ends this attempt at ``step`` on some rank (so every rank, rank 0 among them,
+        logs the step first, as the loop otherwise does one step late)."""
+        f = self.attempt_fault
         return f is not None and f.kind in ("kill", "stop", "hang", "raise") and f.step == step
 
     def poison_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:

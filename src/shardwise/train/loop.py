@@ -187,13 +187,9 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
             accounting_s = time.perf_counter() - t_acc  # not part of the training step's time
         optimizer.zero_grad(set_to_none=True)
 
-        elapsed = time.perf_counter() - t0 - accounting_s
-        tokens_per_s = tokens_per_step / elapsed
-        metrics = {
-            "tokens_per_s": tokens_per_s, "step_time_s": elapsed,
-            "mfu": tokens_per_s * flops_per_token / (peak * world) if peak else 0.0,
-            **engine.comm_metrics(), **engine.step_metrics(skipped=verdict.skip),
-        }
+        elapsed = time.perf_counter() - t0 - accounting_s  # the step's launches (and, on a CPU, its work)
+        metrics = {"tokens_per_s": 0.0, "step_time_s": 0.0, "mfu": 0.0,  # with the wait below
+                   **engine.comm_metrics(), **engine.step_metrics(skipped=verdict.skip)}
         for _, write_s in writer.finished():  # a background checkpoint write that ended during this step
             metrics["ckpt_write_s"] = write_s
         if ckpt_wait is not None:
@@ -221,8 +217,14 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         save = done == tcfg.steps or (cfg.ckpt.every and done % cfg.ckpt.every == 0)
         stop = stop_after is not None and done >= stop_after
         # the previous step's values are read now, while this step's work keeps the device busy; before a
-        # checkpoint, an injected failure or the end, this step's too
-        for read in readout.drain() if save or stop or faults.fires_after(done) else readout.ready():
+        # checkpoint, an injected failure or the end, this step's too. Waiting for them paces the loop to the
+        # device: the step's time is its launches plus that wait (on a CPU the wait is nil)
+        t_read = time.perf_counter()
+        reads = readout.drain() if save or stop or faults.fires_after(done) else readout.ready()
+        step_s = elapsed + time.perf_counter() - t_read
+        metrics.update(tokens_per_s=tokens_per_step / step_s, step_time_s=step_s,
+                       mfu=tokens_per_step / step_s * flops_per_token / (peak * world) if peak else 0.0)
+        for read in reads:
             finish(read)
         faults.after_step(done)
         if save and guard.streak:  # the newest checkpoint stays the last applied step's
