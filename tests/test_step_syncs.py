@@ -28,7 +28,7 @@ SYNC_OPS = {aten._local_scalar_dense, aten.nonzero, aten.is_nonzero, aten.equal,
             aten._unique2, aten.unique_consecutive, aten.unique_dim}
 """The operators that read a value on the host, or whose output shape depends on the data."""
 
-STEPS, WARMUP = 6, 2
+STEPS, WARMUP = 5, 2
 """Steps [WARMUP, STEPS - 1) are watched: after the first steps (optimizer state, memory table) and before the
 last (final evaluation and checkpoint)."""
 
