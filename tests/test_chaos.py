@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.train.faults import KINDS, draw_faults, parse_faults, resumed_after
+from shardwise.train.faults import FAILURES, draw_faults, parse_faults, resumed_after
 from tests.harness import run_on_ranks
 
 
@@ -33,7 +33,7 @@ def test_drawn_faults_fire_in_their_attempts():
             if prev is not None and {prev.kind, f.kind} <= {"stop", "hang", "raise"}:
                 assert prev.rank != f.rank, faults
             resumed, prev = resumed_after(f, resumed, 2), f
-    assert seen == set(KINDS)
+    assert seen == set(FAILURES)
     assert resumed_after(parse_faults("kill@5:r0")[0], 2, 2) == 4  # checkpoint 4 done, 5 was not due
     assert resumed_after(parse_faults("save@6:r0")[0], 2, 2) == 4  # checkpoint 6 died while written
 

@@ -333,6 +333,8 @@ PROOFS: dict[str, tuple] = {
     "train.beta2": (reads("train/optim.py"),),
     "train.eps": (reads("train/optim.py"),),
     "train.grad_clip": (reads("train/loop.py"),),
+    "train.skip_grad_norm_above": (reads("train/loop.py"),),  # behaviour: tests/test_skip_steps.py
+    "train.max_skipped_steps": (reads("train/loop.py"),),  # behaviour: tests/test_skip_steps.py
     "train.seed": (reads("train/loop.py"),),
     "train.precision": (reads("train/loop.py"),),
     "train.fp16_init_scale": (reads("train/loop.py"),

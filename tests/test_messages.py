@@ -84,11 +84,18 @@ def test_a_corpus_that_fails_leaves_no_lock_file(tmp_path):
     ("shardwise.parallel.expert.checks",
      {"parallel.ep": 2, "parallel.dp": 2, "model.n_experts": 4, "comm.algorithm": "ring"},
      "parallel.ep=2 with run.device='cuda' and parallel.backend='gloo': our pairwise all-to-all"),
+    ("shardwise.parallel.zero.checks", {"parallel.zero": 2, "parallel.dp": 2},
+     "parallel.zero=2 with run.device='cuda' and parallel.backend='gloo': ZeRO reduce-scatters"),
+    ("shardwise.dist.comm.checks", {"comm.algorithm": "ring", "parallel.dp": 2},
+     "comm.algorithm='ring' with run.device='cuda' and parallel.backend='gloo': our all-reduce algorithms"),
+    ("shardwise.dist.comm.checks", {"comm.compression": "topk", "parallel.dp": 2},
+     "comm.compression='topk' with run.device='cuda' and parallel.backend='gloo': it all-gathers"),
 ])
 def test_cuda_tensors_on_gloo_point_to_point_are_refused(checks, overrides, fragment):
-    """gloo's point-to-point takes CPU tensors: the ring, our pairwise all-to-all and the parameter server
-    refuse run.device='cuda' on gloo (each technique's check, a function of the config: run here directly,
-    since resolving would first refuse 'cuda' on a machine without a GPU)."""
+    """gloo's point-to-point takes CPU tensors, and of the collectives only all-reduce and broadcast take CUDA
+    tensors: the ring, our pairwise all-to-all, the parameter server, ZeRO, and our all-reduce algorithms and
+    compressions refuse run.device='cuda' on gloo (each technique's check, a function of the config: run here
+    directly, since resolving would first refuse 'cuda' on a machine without a GPU)."""
     import importlib
 
     cfg = Config.load(overrides={"run.device": "cuda", "parallel.backend": "gloo", "parallel.nproc": "2",

@@ -39,7 +39,7 @@ def test_overflow_skips_step_and_backs_off():
         opt.step()
     scaler.update(found)
     assert torch.equal(p.detach(), torch.ones(3))
-    assert scaler.scale == 2.0**7 and scaler.skipped_steps == 1
+    assert scaler.scale == 2.0**7
 
     p.grad = torch.tensor([0.0, float("nan"), 0.0])
     assert scaler.unscale_([p])
@@ -59,7 +59,7 @@ def test_growth_after_interval_and_min_scale():
     assert scaler.scale == 4.0
     scaler.update(True)
     scaler.update(True)
-    assert scaler.scale == 2.0 and scaler.skipped_steps == 3
+    assert scaler.scale == 2.0
 
 
 def test_unscale_is_exact_division_across_dtypes():
@@ -101,7 +101,6 @@ def test_matches_grad_scaler_trajectory():
         ref.update()
         assert ours.scale == ref.get_scale(), f"step {i}"
         assert torch.equal(ours_p, ref_p), f"step {i}"
-    assert ours.skipped_steps == script.count("o")
 
 
 def test_state_dict_round_trip_is_json():

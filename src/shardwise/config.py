@@ -276,6 +276,13 @@ class TrainConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip gradients to this global L2 norm (0 = no clipping)."""
+    skip_grad_norm_above: float = 0.0
+    """Skip, on every rank alike, an optimizer step whose pre-clip global gradient norm exceeds this (a guard
+    against loss spikes); 0 = off. Steps with a non-finite loss or gradient are always skipped."""
+    max_skipped_steps: int = 20
+    """Stop the run after this many consecutive skipped steps (non-finite loss or gradient, fp16 overflow, a norm
+    above skip_grad_norm_above), the newest checkpoint being an applied step's; 0 = never stop. The default
+    exceeds the 16 back-offs of fp16's loss scale from 2^16 down to 1."""
     seed: int = 1337
     """Seeds weight initialisation, data order and dropout; the same for every layout."""
     precision: str = "bf16"

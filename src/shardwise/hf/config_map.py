@@ -11,7 +11,10 @@ before any worker starts.
   absolute positions, two token types, the masked-LM head tied to the word embeddings; with
   ``model.n_classes`` <-> ``BertForSequenceClassification`` (pooler and classifier instead of the head).
 Anything else (another ``model_type``, a rotary scaling we do not build, another activation) is refused with
-one line naming the key, its value and what we accept -- a silently different model would be worse.
+one line naming the key, its value and what we accept -- a silently different model would be worse. A key
+a ``config.json`` leaves out means what ``transformers``' config class of that family assumes
+(:data:`HF_DEFAULTS`; the decoder families' rows are :data:`shardwise.hf.decoders.FAMILIES`), except the keys
+that fix the model's size (:data:`HF_REQUIRED`), whose absence is refused in one line.
 """
 
 from __future__ import annotations
@@ -21,13 +24,35 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.hf.decoder_config import decoder_config
-from shardwise.hf.decoders import FAMILIES, HFError, decoder_fields
+from shardwise.hf.decoders import FAMILIES, SHAPE, HFError, decoder_fields
 
 HF_PREFIX = "hf:"
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM"}
 """Our flavour -> the ``transformers`` class an exported directory is loaded with."""
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 """The tanh approximation of GELU under its two ``transformers`` names (our GeluMLP)."""
+
+_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+          "max_position_embeddings")
+HF_REQUIRED: dict[str, tuple[str, ...]] = {
+    "gpt2": ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions"),
+    "bert": _SIZES,
+    **{kind: SHAPE for kind in FAMILIES},
+}
+"""Per ``model_type``: the keys that fix the model's size. A config.json without one is refused, naming it (the
+decoder families' check is :class:`shardwise.hf.decoders.Family`'s reader)."""
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt2": {"n_inner": None, "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
+             "tie_word_embeddings": True, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False},
+    "bert": {"hidden_act": "gelu", "type_vocab_size": 2, "position_embedding_type": "absolute",
+             "layer_norm_eps": 1e-12, "tie_word_embeddings": True},
+    **{kind: family.defaults for kind, family in FAMILIES.items()},
+}
+"""Per ``model_type``: what ``transformers``' config class assumes for each optional key we read, where a
+config.json leaves it out (or null, for GPT-2 and BERT; a decoder family's null can mean "none", e.g. Mistral's
+``sliding_window``). ``None`` means the class derives it: GPT-2's ``n_inner`` is 4 x n_embd, Llama's key/value
+heads are its heads. tests/test_hf_config_defaults.py holds every family's import of a config.json with only the
+required keys against ``transformers``' own reading of it."""
 
 
 def hf_path(init_from: str) -> Path:
@@ -47,8 +72,24 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
         raise HFError(f"{path} is not valid JSON: {e}") from None
 
 
+def with_defaults(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """``hf`` with ``transformers``' default for every optional key it leaves out or sets to null
+    (:data:`HF_DEFAULTS`); HFError, naming the key, for a missing one that fixes the model's size."""
+    kind = hf.get("model_type")
+    if kind in FAMILIES:  # the decoder families' reader applies their rows (a null there can mean "none")
+        return hf
+    given = {k: v for k, v in hf.items() if v is not None}
+    for key in HF_REQUIRED.get(kind, ()):
+        if key not in given:
+            raise HFError(f"{where}: {key} is missing; a {kind} config.json must give it (it fixes the model's "
+                          "size: transformers would assume its default model's)")
+    return {**HF_DEFAULTS.get(kind, {}), **given}
+
+
 def model_fields(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
-    """Our ``model.*`` fields for a ``transformers`` config (HFError for one we cannot map exactly)."""
+    """Our ``model.*`` fields for a ``transformers`` config (HFError for one we cannot map exactly); a key it leaves
+    out means what ``transformers`` assumes (:func:`with_defaults`)."""
+    hf = with_defaults(hf, where)
     kind = hf.get("model_type")
     if kind == "gpt2":
         return _gpt2_fields(hf, where)
@@ -73,30 +114,26 @@ def _require(hf: dict, key: str, ok: bool, valid: str, where: str) -> None:
 
 
 def _gpt2_fields(hf: dict, where: str) -> dict[str, Any]:
-    act = hf.get("activation_function", "gelu_new")
+    act = hf["activation_function"]
     _require(hf, "activation_function", act in GPT2_ACTIVATIONS, f"use one of {GPT2_ACTIVATIONS}", where)
-    _require(hf, "scale_attn_weights", hf.get("scale_attn_weights", True), "use true", where)
-    _require(hf, "scale_attn_by_inverse_layer_idx", not hf.get("scale_attn_by_inverse_layer_idx", False),
-             "use false", where)
+    _require(hf, "scale_attn_weights", hf["scale_attn_weights"], "use true", where)
+    _require(hf, "scale_attn_by_inverse_layer_idx", not hf["scale_attn_by_inverse_layer_idx"], "use false", where)
     d = hf["n_embd"]
     return dict(flavor="gpt2", n_layers=hf["n_layer"], d_model=d, n_heads=hf["n_head"], n_kv_heads=hf["n_head"],
                 d_ff=hf.get("n_inner") or 4 * d, vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
-                norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+                norm_eps=float(hf["layer_norm_epsilon"]), tie_embeddings=bool(hf["tie_word_embeddings"]))
 
 
 def _bert_fields(hf: dict, where: str) -> dict[str, Any]:
-    _require(hf, "hidden_act", hf.get("hidden_act", "gelu") == "gelu", "use 'gelu' (the exact GELU)", where)
-    _require(hf, "type_vocab_size", hf.get("type_vocab_size", 2) == 2, "use 2", where)
-    _require(hf, "position_embedding_type", hf.get("position_embedding_type", "absolute") == "absolute",
-             "use 'absolute'", where)
+    _require(hf, "hidden_act", hf["hidden_act"] == "gelu", "use 'gelu' (the exact GELU)", where)
+    _require(hf, "type_vocab_size", hf["type_vocab_size"] == 2, "use 2", where)
+    _require(hf, "position_embedding_type", hf["position_embedding_type"] == "absolute", "use 'absolute'", where)
     classifier = "BertForSequenceClassification" in (hf.get("architectures") or [])
     n_classes = len(hf.get("id2label") or {}) or hf.get("num_labels", 2) if classifier else 0
     return dict(flavor="bert", n_classes=n_classes, n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
                 n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_attention_heads"], d_ff=hf["intermediate_size"],
                 vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
-                norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+                norm_eps=float(hf["layer_norm_eps"]), tie_embeddings=bool(hf["tie_word_embeddings"]))
 
 
 def hf_config(m, eos_id: int | None = None, bos_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:

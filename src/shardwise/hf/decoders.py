@@ -217,11 +217,9 @@ def _global_every(r: _Reader, default: int) -> int:
     if not types:
         return default
     n = len(types)
-    for k in range(1, n + 1):
+    for k in (default, *range(1, n + 2)):  # the family's own pattern first: the same k as a file without the list
         if types == ["full_attention" if (i + 1) % k == 0 else "sliding_attention" for i in range(n)]:
-            return k
-    if all(t == "sliding_attention" for t in types):
-        return 0
+            return k  # k = n + 1: every layer sliding (Gemma 3 still rotates them by the local base)
     raise HFError(f"{r.where}: layer_types={types!r} is not supported; every k-th layer global (the last of "
                        "each run of k) is what we build")
 

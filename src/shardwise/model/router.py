@@ -97,12 +97,15 @@ class Router(nn.Module):
 
 
 @torch.no_grad()
-def update_expert_bias(router: Router, load: torch.Tensor, rate: float) -> None:
+def update_expert_bias(router: Router, load: torch.Tensor, rate: float, skipped: torch.Tensor | None = None) -> None:
     """Wang et al. 2024, Algorithm 1: ``b_i += rate * sign(mean(load) - load_i)`` for the tokens ``load [E]``
     routed to each expert in one step (the global batch's, so every rank computes the same update).
-    A router without a bias (softmax, softmax_renorm) is left alone."""
+    A router without a bias (softmax, softmax_renorm) is left alone. ``skipped`` (a 0-dim 0/1 tensor): where it
+    is 1 (a step the trainer skipped) the bias stays as it was."""
     if router.expert_bias is None:
         return
     load = load.to(torch.float64)
     step = rate * torch.sign(load.mean() - load)
+    if skipped is not None:
+        step = step * (1 - skipped.to(step.device, torch.float64))
     router.expert_bias.add_(step.to(router.expert_bias.dtype).to(router.expert_bias.device))

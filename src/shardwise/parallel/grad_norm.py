@@ -37,7 +37,19 @@ def clip_grad_norm(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]], max_norm
     with ``max_norm > 0`` every piece is scaled by ``min(1, max_norm / (norm + 1e-6))``. A collective over
     the groups given (every rank of them must call it); a group left ``None`` is not reduced over (pass
     ``dist.group.WORLD`` for the default group). ``device``: where the reductions run when this rank holds
-    no piece."""
+    no piece. The norm is read on the host: :func:`clip_grad_norm_on_device` leaves it on the device."""
+    return float(clip_grad_norm_on_device(pieces, max_norm, tp_group=tp_group, shard_group=shard_group,
+                                          pp_group=pp_group, skip=skip, device=device, ep_group=ep_group))
+
+
+@torch.no_grad()
+def clip_grad_norm_on_device(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]], max_norm: float, *,
+                             tp_group: dist.ProcessGroup | None = None, shard_group: dist.ProcessGroup | None = None,
+                             pp_group: dist.ProcessGroup | None = None, skip: frozenset[int] = frozenset(),
+                             device: torch.device | None = None,
+                             ep_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """:func:`clip_grad_norm`, the norm returned as a 0-dim fp32 tensor on the device: nothing waits for it
+    (the trainer reads it one step late, :mod:`shardwise.train.readout`)."""
     pieces = [(g, p) for g, p in pieces if g is not None]
     # [tensor-parallel splits, everything else, expert shards, expert shards of tensor-parallel splits]
     parts: list[list[torch.Tensor]] = [[], [], [], []]
@@ -80,7 +92,7 @@ def clip_grad_norm(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]], max_norm
     if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         torch._foreach_mul_(grads, coef.to(grads[0].device))
-    return float(norm)
+    return norm
 
 
 def parameter_pieces(params: Iterable[nn.Parameter]) -> list[tuple[torch.Tensor, nn.Parameter]]:

@@ -22,6 +22,8 @@ def check(cfg: Config) -> None:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be in [0, 1)")
     positive("train.eps", t.eps)
     positive("train.grad_clip", t.grad_clip, allow_zero=True)
+    positive("train.skip_grad_norm_above", t.skip_grad_norm_above, allow_zero=True)
+    positive("train.max_skipped_steps", t.max_skipped_steps, allow_zero=True)
     choice("train.precision", t.precision)
     positive("train.fp16_init_scale", t.fp16_init_scale)
     positive("train.fp16_growth_interval", t.fp16_growth_interval)

@@ -19,7 +19,8 @@ the layout in one fixed order (DESIGN.md, "How layouts compose"; torchtitan's ``
    gradients reduced during the last backward) or a pipeline schedule (reduced after the flush).
 
 What every layout shares is then written once: one global gradient norm and clip over per-parameter
-metadata (:mod:`shardwise.parallel.grad_norm`), one fp16 overflow check, one memory account, and layout-free
+metadata (:mod:`shardwise.parallel.grad_norm`), one verdict on whether a step is applied (non-finite loss or
+gradient, fp16 overflow, norm spike; :mod:`shardwise.train.step_guard`), one memory account, and layout-free
 checkpoints -- this rank's pieces of the single-process model and optimizer state under the single-process
 names and optimizer indices (:class:`ReferenceOrder`), loaded back resharded to any layout.
 """
@@ -44,7 +45,7 @@ from shardwise.parallel.data import DataParallel
 from shardwise.parallel.dropout import replica_key
 from shardwise.parallel.expert import state as expert_state
 from shardwise.parallel.expert.router_step import router_step
-from shardwise.parallel.grad_norm import clip_grad_norm
+from shardwise.parallel.grad_norm import clip_grad_norm_on_device
 from shardwise.parallel.materialize import materialize_parameters, reset_buffers
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import Pipeline, build_stage
@@ -61,6 +62,7 @@ from shardwise.train.optim import build_optimizer, decay_groups, optimizer_param
 from shardwise.train.precision import DynamicLossScaler, autocast_context
 from shardwise.train.schedules import OneStage, PipelineSchedule
 from shardwise.train.sharded import Piece
+from shardwise.train.step_guard import StepVerdict, agree
 
 
 def load_model_state(module: nn.Module, state: Mapping) -> None:
@@ -86,8 +88,10 @@ class ReferenceOrder:
         self.ref = [index[n] for n in optimizer_param_names(local_named)]
 
     def param_groups(self, live_groups: list[dict]) -> list[dict]:
-        """The single-process optimizer's ``param_groups``: the live hyper-parameters, every index."""
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in live_groups]
+        """The single-process optimizer's ``param_groups``: the live hyper-parameters (a learning rate held as a
+        device tensor read as a number), every index."""
+        hyper = [{k: float(v) if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+                 for g in live_groups]
         return [dict(hyper[0], params=list(range(self.n_decay))),
                 dict(hyper[1], params=list(range(self.n_decay, self.n_total)))]
 
@@ -230,18 +234,34 @@ class Engine:
                               self.mesh.dp_size)
         return self.schedule.run(batches, scaler, key)
 
-    def unscale_and_clip(self, scaler: DynamicLossScaler | None, max_norm: float) -> tuple[bool, float]:
-        """fp16: unscale the gradients this rank holds, every rank agreeing on an overflow; then the global
-        gradient norm of the single-process model, clipped to ``max_norm`` (0: only measured)."""
+    def check_step(self, replica_loss: torch.Tensor, scaler: DynamicLossScaler | None, max_norm: float,
+                   skip_above: float = 0.0) -> StepVerdict:
+        """Before the optimizer step: fp16 unscales the gradients this rank holds; the global gradient norm of the
+        single-process model is measured and the gradients clipped to ``max_norm`` (0: only measured); then every
+        rank agrees on the step's loss and on whether it is applied (:func:`~shardwise.train.step_guard.agree`:
+        one all-reduce over the world, which is also the loss's). Nothing is read on the host."""
         pieces = self.wrapper.grad_pieces()
-        found_inf = scaler.unscale_grads_([g for g, _ in pieces], group=dist.group.WORLD) if scaler else False
+        found_inf = scaler.unscale_grads_([g for g, _ in pieces]) if scaler else None
         # under ZeRO each expert element is in one slice of one rank of the data-parallel group (its ep rank's
         # experts, its edp rank's slice), so the sum over the shard group counts it once: no sum over ep
         ep_group = None if self.zero else self.ep_group
-        norm = clip_grad_norm(pieces, max_norm, tp_group=self.tp_group, shard_group=self.wrapper.shard_group,
-                              pp_group=self.pp_group, ep_group=ep_group, skip=self._tied_elsewhere,
-                              device=self.device)
-        return found_inf, norm
+        norm = clip_grad_norm_on_device(pieces, max_norm, tp_group=self.tp_group,
+                                        shard_group=self.wrapper.shard_group, pp_group=self.pp_group,
+                                        ep_group=ep_group, skip=self._tied_elsewhere, device=self.device)
+        # one rank per dp x cp replica counts the loss: tensor-parallel ranks and pipeline stages hold it too
+        counts = self.tp_rank == 0 and self.mesh.rank("pp") == 0
+        return agree(replica_loss, norm, found_inf, loss_counts=counts, loss_ranks=self.mesh.size("dp_cp"),
+                     skip_above=skip_above)
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """``(gradient piece, parameter)`` of what this rank holds of the gradient and counts in its norm (a weight
+        tied between pipeline stages is counted by the first one)."""
+        return [(g, p) for g, p in self.wrapper.grad_pieces() if id(p) not in self._tied_elsewhere]
+
+    def micro_losses(self) -> torch.Tensor | None:
+        """This rank's loss of each micro-batch of the last step (None where the schedule does not keep them: a
+        pipeline's are on its last stage): to name the micro-batch a non-finite loss came from."""
+        return getattr(self.schedule, "micro_losses", None)
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, precision: str) -> torch.Tensor:
         return self.schedule.eval_loss(x, y)
@@ -257,18 +277,19 @@ class Engine:
         """This step's communication as the counting layer recorded it (:meth:`CommLedger.pop_metrics`)."""
         return self.ledger.pop_metrics()
 
-    def step_metrics(self) -> dict[str, float]:
+    def step_metrics(self, skipped: torch.Tensor | None = None) -> dict[str, float]:
         """The schedule's (a pipeline's bubble), and where those techniques are on, the context-parallel
         attention work and the experts' load (each a small collective; not looked for when off). With MoE
         blocks it also ends the routers' step: their load summed over the global batch moves the
-        ``sigmoid_bias`` routers' balancing biases (:func:`~shardwise.parallel.expert.router_step.router_step`);
-        the loop calls it once after every optimizer step."""
+        ``sigmoid_bias`` routers' balancing biases (:func:`~shardwise.parallel.expert.router_step.router_step`),
+        not where ``skipped`` (a 0-dim device flag) is 1; the loop calls it once after every
+        optimizer step."""
         out = self.schedule.step_metrics()
         if self.mesh.size("cp") > 1:
             out.update(pop_attention_work(self.module))
         if self.cfg.model.n_experts:
             sp = self.tp_group if self.cfg.parallel.sequence_parallel else None
-            out.update(router_step(self.module, self.group, self.pp_group, seq_group=sp))
+            out.update(router_step(self.module, self.group, self.pp_group, seq_group=sp, skipped=skipped))
         return out
 
     def write_timeline(self, run_dir: Path, step: int) -> None:

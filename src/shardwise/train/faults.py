@@ -1,4 +1,4 @@
-"""Injected faults, for testing failover only: ``run.fault`` names what goes wrong, where and when.
+"""Injected faults, for tests only: ``run.fault`` names what goes wrong, where and when.
 
 A failure test needs a worker to die at a chosen point, reproducibly, in a real launch (torchrun's
 agent, real processes, real signals). ``run.fault`` is a comma-separated list of ``KIND@STEP:rRANK``;
@@ -12,7 +12,12 @@ exercise several failures in turn. Kinds:
 * ``save``  -- SIGKILL it while checkpoint STEP is being written: after its own shard file is written
   and before the checkpoint is complete, leaving a partial temporary directory behind;
 * ``raise`` -- raise a RuntimeError there (an error that happens again on every retry, like a bug or a
-  NaN: listed for two attempts, it shows that the group stops restarting, :mod:`shardwise.train.recovery`).
+  NaN: listed for two attempts, it shows that the group stops restarting, :mod:`shardwise.train.recovery`);
+* ``nan_loss`` -- this rank's loss of optimizer step STEP is NaN (its gradients are not touched): every rank
+  must skip the step (:mod:`shardwise.train.step_guard`);
+* ``nan_grad`` -- one element of this rank's gradient of step STEP (of a piece its gradient norm counts) is
+  NaN, after the gradients were reduced (so under plain data parallelism the other replicas' gradients stay
+  finite): every rank must skip the step.
 
 Example: ``--run.fault kill@3:r1,save@6:r0``. Not for production runs; the empty default does nothing.
 """
@@ -25,11 +30,17 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shardwise.config import ConfigError
 
-KINDS = ("kill", "stop", "hang", "save", "raise")
-_ITEM = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+):r(?P<rank>\d+)$")
+if TYPE_CHECKING:  # the config checks import this module: no torch at import time
+    import torch
+
+FAILURES = ("kill", "stop", "hang", "save", "raise")
+"""The kinds that end the attempt (what the failover soak draws)."""
+KINDS = (*FAILURES, "nan_loss", "nan_grad")
+_ITEM = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+):r(?P<rank>\d+)$")
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,8 @@ class FaultPlan:
         attempt = restart_attempt() if attempt is None else attempt
         fault = faults[attempt] if attempt < len(faults) else None
         self.fault = fault if fault is not None and fault.rank == rank else None
+        self.attempt_fault = fault
+        """This attempt's fault, on whichever rank it fires."""
 
     def after_step(self, step: int) -> None:
         """Called once optimizer step ``step`` is done and logged (before its checkpoint)."""
@@ -82,6 +95,26 @@ class FaultPlan:
             raise RuntimeError(f"injected error after step {step} on rank {f.rank}")
         if f is not None and f.kind in ("kill", "stop", "hang") and f.step == step:
             _fire(f.kind)
+
+    def fires_after(self, step: int) -> bool:
+        """Whether :meth:`after_step` ends this attempt at ``step`` on some rank (so every rank, rank 0 among them,
+        logs the step first, as the loop otherwise does one step late)."""
+        f = self.attempt_fault
+        return f is not None and f.kind in ("kill", "stop", "hang", "raise") and f.step == step
+
+    def poison_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` (this rank's loss of optimizer step ``step``), NaN where ``nan_loss`` says so."""
+        f = self.fault
+        if f is not None and f.kind == "nan_loss" and f.step == step:
+            return loss + float("nan")
+        return loss
+
+    def poison_gradient(self, step: int, grad_pieces: Callable[[], list[tuple[torch.Tensor, object]]]) -> None:
+        """Set one element of this rank's first gradient piece (of ``grad_pieces()``: ``(gradient, parameter)``
+        pairs) to NaN where ``nan_grad`` says so."""
+        f = self.fault
+        if f is not None and f.kind == "nan_grad" and f.step == step and (pieces := grad_pieces()):
+            pieces[0][0].view(-1)[0] = float("nan")
 
     def during_save(self, step: int) -> Callable[[], None] | None:
         """The callback checkpoint ``step``'s writer runs after writing its own file, or None."""
@@ -106,7 +139,7 @@ def resumed_after(fault: Fault, resumed: int, every: int) -> int:
     return max(resumed, (fault.step - 1) // every * every)
 
 
-def draw_faults(rng, n: int, steps: int, every: int, world: int, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
+def draw_faults(rng, n: int, steps: int, every: int, world: int, kinds: tuple[str, ...] = FAILURES) -> list[Fault]:
     """``n`` faults at random (``rng``: a ``random.Random``), one per attempt, each on a random rank and at a
     random step that its attempt reaches (after the step the previous fault's attempt resumed from; ``save``
     at a step that writes a checkpoint). Two faults in a row on the same rank that leave an error behind

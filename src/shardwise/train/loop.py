@@ -9,7 +9,6 @@ only on the seed, and the loss of a step is the mean over the whole global batch
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from pathlib import Path
 
@@ -32,10 +31,12 @@ from shardwise.train.engine import Engine
 from shardwise.train.faults import FaultPlan
 from shardwise.train.flops import peak_flops, training_flops_per_token
 from shardwise.train.metrics import MetricsLogger, process_memory_bytes
-from shardwise.train.optim import lr_at, set_lr
+from shardwise.train.optim import DeviceLrSchedule, lr_at
 from shardwise.train.precision import DynamicLossScaler
+from shardwise.train.readout import Readout, ReadStep
 from shardwise.train.recovery import clean_partial_checkpoints, note_restart, resume_wanted
 from shardwise.train.result import TrainResult
+from shardwise.train.step_guard import SkippedStepsError, StepGuard, nonfinite_sources, skip_line
 
 
 def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: int | None = None) -> TrainResult:
@@ -53,7 +54,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     dims = ParallelDims.from_config(cfg.parallel, world)
     mesh = dims.build(device.type)
     dp_rank, dp_size = mesh.dp_rank, mesh.dp_size
-    loss_group, loss_ranks = mesh.group("dp_cp"), mesh.size("dp_cp")  # the loss is averaged over dp x cp
+    loss_group = mesh.group("dp_cp")  # validation losses are averaged over dp x cp
     run_dir = Path(run_dir)
     tcfg = cfg.train
 
@@ -72,10 +73,10 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     # Model and techniques: every rank builds what it holds from the seed, composed in one order (train/engine.py).
     engine = Engine(cfg, mesh, device, run_dir)
     optimizer = engine.optimizer
-    scaler = DynamicLossScaler(tcfg.fp16_init_scale, growth_interval=tcfg.fp16_growth_interval) \
+    scaler = DynamicLossScaler(tcfg.fp16_init_scale, growth_interval=tcfg.fp16_growth_interval, device=device) \
         if tcfg.precision == "fp16" else None
 
-    start_step = 0
+    start_step, skipped_before = 0, 0
     log = MetricsLogger(run_dir, enabled=rank == 0, total_steps=tcfg.steps,
                         tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
     ckpt_root = run_dir / "checkpoints"
@@ -95,6 +96,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         if found is not None:
             reader = train_state.open_checkpoint(found)
             start_step = train_state.restore(reader, engine, scaler, sampler, rank)
+            skipped_before = int(reader.meta.get("skipped_steps", 0))
             log.log_event(f"resumed from {found} at step {start_step}")
             changed = schedule_change(reader.meta.get("config", {}).get("train", {}), tcfg, start_step)
             if changed:
@@ -118,6 +120,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
 
     losses: list[float] = []
     grad_norms: list[float] = []
+    skipped_steps: list[int] = []
     val_loss = None
     if start_step == 0:  # the untrained model's validation loss: the baseline the run improves on
         val_loss = evaluate(engine, val_windows, tcfg, dp_rank, dp_size, loss_group, device)
@@ -134,20 +137,49 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
                       "the data-parallel size (raise data.val_fraction to compare layouts)")
     done = start_step
     collapse = CollapseWatch(cfg.model.n_experts or 0, cfg.model.moe_top_k)  # MoE: warns of a router collapse
+    guard = StepGuard(tcfg.max_skipped_steps, device, skipped=skipped_before)  # skips bad steps on every rank
+    lr_schedule = DeviceLrSchedule(tcfg, device)  # lr_at(applied steps), chosen on the device
+    readout = Readout(device)  # the step's device values, read one step late: the step never waits for them
+
+    def finish(read: ReadStep) -> None:
+        """Step ``read.step``'s values have reached the host: log it; count it, name it and maybe stop if skipped."""
+        values = read.values
+        skipped = values["skipped"] > 0
+        guard.note(read.step, skipped)
+        losses.append(values["loss"])
+        grad_norms.append(values["grad_norm"])
+        metrics = {"loss": values["loss"], "lr": values["lr"], "grad_norm": values["grad_norm"],
+                   **read.keep["metrics"], "skipped_steps": float(guard.total)}
+        if scaler:
+            metrics["loss_scale"] = values["loss_scale"]
+        log.log(read.step, metrics)
+        if cfg.model.n_experts and (note := collapse.check(read.step, metrics)):
+            log.log_event(note)
+        if not skipped:
+            return
+        skipped_steps.append(read.step)
+        sources = nonfinite_sources(read.keep["loss"], read.keep["micro_losses"]) if values["nonfinite"] else []
+        log.log_event(skip_line(read.step, values, sources, guard, tcfg.skip_grad_norm_above))
+        if guard.exhausted:
+            writer.wait()  # a checkpoint being written (of an applied step) is completed, not left half-written
+            last = guard.last_applied
+            applied = f"the last applied step is {last}" if last is not None else "no step of this attempt was applied"
+            raise SkippedStepsError(
+                f"stopped at step {read.step}: {guard.streak} consecutive steps skipped (train.max_skipped_steps="
+                f"{guard.max_skipped}); {applied}, and no checkpoint was written after it. Lower train.lr, use "
+                "train.grad_clip or look for bad data")
+
     for step in range(start_step, tcfg.steps):
         t0 = time.perf_counter()
-        lr = lr_at(step, tcfg)
-        set_lr(optimizer, lr)
-        batches = [tuple(t.to(device) for t in train_windows.batch(ids))
-                   for ids in sampler.micro_batches(step, tcfg.micro_batch)]
-        replica_loss = engine.forward_backward(batches, tcfg.precision, scaler, step)
-        found_inf, grad_norm = engine.unscale_and_clip(scaler, tcfg.grad_clip)
-        ckpt_wait = writer.before_update()  # a background checkpoint copies the weights before they change
-        if not found_inf:
-            optimizer.step()
-        if scaler:
-            scaler.update(found_inf)
         done = step + 1
+        lr = lr_schedule.set(optimizer, step, guard.skipped)
+        batches = [tuple(_to_device(t, device) for t in train_windows.batch(ids))
+                   for ids in sampler.micro_batches(step, tcfg.micro_batch)]
+        replica_loss = faults.poison_loss(done, engine.forward_backward(batches, tcfg.precision, scaler, step))
+        faults.poison_gradient(done, engine.grad_pieces)
+        verdict = engine.check_step(replica_loss, scaler, tcfg.grad_clip, tcfg.skip_grad_norm_above)
+        ckpt_wait = writer.before_update()  # a background checkpoint copies the weights before they change
+        guard.apply(optimizer, verdict, scaler)  # the optimizer step, or nothing at all, decided on the device
         first = done == start_step + 1  # the optimizer state exists from here: print the start-up table
         accounted, accounting_s = None, 0.0
         if first or done == tcfg.steps or done % 10 == 0:  # measured while gradients and moments both exist
@@ -156,20 +188,9 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
             accounting_s = time.perf_counter() - t_acc  # not part of the training step's time
         optimizer.zero_grad(set_to_none=True)
 
-        step_loss = replica_loss.clone()
-        dist.all_reduce(step_loss, op=dist.ReduceOp.SUM, group=loss_group)
-        step_loss = step_loss.item() / loss_ranks
-        losses.append(step_loss)
-        grad_norms.append(grad_norm)
-        elapsed = time.perf_counter() - t0 - accounting_s
-        tokens_per_s = tokens_per_step / elapsed
-        metrics = {
-            "loss": step_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-            "step_time_s": elapsed, "mfu": tokens_per_s * flops_per_token / (peak * world) if peak else 0.0,
-            **engine.comm_metrics(), **engine.step_metrics(),
-        }
-        if scaler:
-            metrics.update(loss_scale=scaler.scale, skipped_steps=float(scaler.skipped_steps))
+        elapsed = time.perf_counter() - t0 - accounting_s  # the step's launches (and, on a CPU, its work)
+        metrics = {"tokens_per_s": 0.0, "step_time_s": 0.0, "mfu": 0.0,  # with the wait below
+                   **engine.comm_metrics(), **engine.step_metrics(skipped=verdict.skip)}
         for _, write_s in writer.finished():  # a background checkpoint write that ended during this step
             metrics["ckpt_write_s"] = write_s
         if ckpt_wait is not None:
@@ -189,26 +210,44 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
             per_rank = train_memory.gather_per_rank(accounted)
             title = f"model-state bytes per rank ({engine.describe()})"
             log.log_event(train_memory.format_table(per_rank, title=title))
-        log.log(done, metrics)
-        if cfg.model.n_experts and (note := collapse.check(done, metrics)):
-            log.log_event(note)
-        if not math.isfinite(step_loss) and scaler is None:
-            raise FloatingPointError(f"loss became {step_loss} at step {done}; lower train.lr or use train.grad_clip")
+        values = {"loss": verdict.loss, "lr": lr, "grad_norm": verdict.grad_norm, "skipped": verdict.skip,
+                  "nonfinite": verdict.nonfinite, "spike": verdict.spike}
+        if scaler:
+            values["loss_scale"] = scaler.scale_tensor
+        readout.push(done, values, metrics=metrics, loss=replica_loss, micro_losses=engine.micro_losses())
+        save = done == tcfg.steps or (cfg.ckpt.every and done % cfg.ckpt.every == 0)
+        stop = stop_after is not None and done >= stop_after
+        # the previous step's values are read now, while this step's work keeps the device busy; before a
+        # checkpoint, an injected failure or the end, this step's too. Waiting for them paces the loop to the
+        # device: the step's time is its launches plus that wait (on a CPU the wait is nil)
+        t_read = time.perf_counter()
+        reads = readout.drain() if save or stop or faults.fires_after(done) else readout.ready()
+        step_s = elapsed + time.perf_counter() - t_read
+        metrics.update(tokens_per_s=tokens_per_step / step_s, step_time_s=step_s,
+                       mfu=tokens_per_step / step_s * flops_per_token / (peak * world) if peak else 0.0)
+        for read in reads:
+            finish(read)
         faults.after_step(done)
-        if done == tcfg.steps or (cfg.ckpt.every and done % cfg.ckpt.every == 0):
-            record = {"ckpt_stall_s": _save(cfg, writer, done, engine, scaler, sampler, rank, faults.during_save(done))}
+        if save and guard.streak:  # the newest checkpoint stays the last applied step's
+            log.log_event(f"checkpoint {done} not written: step {done} was skipped ({guard.streak} in a row)")
+        elif save:
+            record = {"ckpt_stall_s": _save(cfg, writer, done, engine, scaler, sampler, rank, guard.total,
+                                            faults.during_save(done))}
             for _, write_s in writer.finished():  # a synchronous write ends before training goes on
                 record["ckpt_write_s"] = write_s
             log.log(done, record)
-        if stop_after is not None and done >= stop_after:
+        if stop:
             break
+    for read in readout.drain():
+        finish(read)
     writer.wait()  # the last checkpoint is complete before the run ends
     for step, write_s in writer.finished():
         log.log(step, {"ckpt_write_s": write_s})
     log.close()
     full = engine.final_state_dict() if collect_state else {}
     state = {k: v.detach().cpu().clone() for k, v in full.items()}
-    return TrainResult(losses=losses, val_loss=val_loss, final_step=done, state_dict=state, grad_norms=grad_norms)
+    return TrainResult(losses=losses, val_loss=val_loss, final_step=done, state_dict=state, grad_norms=grad_norms,
+                       skipped_steps=skipped_steps)
 
 
 SCHEDULE_FIELDS = ("steps", "lr", "min_lr", "warmup_steps")
@@ -247,7 +286,13 @@ def evaluate(engine, windows: TokenWindows, tcfg, dp_rank: int, dp_size: int, gr
     return float(total[0] / total[1]) if total[1] else None
 
 
-def _save(cfg, writer, step, engine, scaler, sampler, rank, after_write=None) -> float:
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on the training device; to a GPU from pinned memory, without waiting (a copy from pageable
+    memory waits for the device)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def _save(cfg, writer, step, engine, scaler, sampler, rank, skipped_steps, after_write=None) -> float:
     """Every rank writes the pieces of the single-process state it holds (train/sharded.py): whole
     tensors from data-parallel rank 0, slices of its shard from every ZeRO rank, its layers from each
     pipeline stage; global rank 0 adds every rank's RNG state and the JSON state. Layout-free: the
@@ -260,6 +305,6 @@ def _save(cfg, writer, step, engine, scaler, sampler, rank, after_write=None) ->
     meta = None
     if rank == 0:
         pieces = pieces + train_state.rng_pieces(rng_states)
-        meta = train_state.capture_meta(param_groups, scaler, sampler, step, cfg)
+        meta = train_state.capture_meta(param_groups, scaler, sampler, step, cfg, skipped_steps)
     writer.save(step, pieces, meta, after_write=after_write)
     return clock.elapsed(start, clock.stamp())

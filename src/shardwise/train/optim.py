@@ -44,18 +44,18 @@ def optimizer_param_names(named_parameters: Iterable[tuple[str, nn.Parameter]]) 
 def build_optimizer(model: nn.Module, cfg: TrainConfig,
                     named_parameters: Iterable[tuple[str, nn.Parameter]] | None = None) -> torch.optim.AdamW:
     """AdamW over ``model``'s trainable parameters (or over ``named_parameters`` when given, e.g. the
-    chunks a pipeline rank holds), decayed as :func:`decay_groups` says. Fused AdamW when every
-    parameter is on a GPU, the foreach implementation otherwise."""
+    chunks a pipeline rank holds), decayed as :func:`decay_groups` says. torch's fused AdamW (one kernel for
+    every parameter, on GPUs and CPUs): it takes a learning rate and a skip flag that are tensors on the
+    device (``found_inf``, as ``torch.amp.GradScaler`` hands it), so a step is applied or skipped, and its
+    learning rate chosen, without the host reading anything (:mod:`shardwise.train.step_guard`). (A ZeRO-3
+    model still on the meta device gets the same settings; :class:`~shardwise.parallel.zero.ZeroOptimizer`
+    steps its slices.)"""
     decay, no_decay, params = decay_groups(model.named_parameters() if named_parameters is None else named_parameters)
     groups = [
         {"params": [params[n] for n in decay], "weight_decay": cfg.weight_decay},
         {"params": [params[n] for n in no_decay], "weight_decay": 0.0},
     ]
-    # on a GPU the fused kernel (one launch per step for all parameters); elsewhere (CPU, or a ZeRO-3
-    # model still on the meta device) the multi-tensor one, whose CPU numerics the equivalence tests pin
-    fused = bool(params) and all(p.is_cuda for p in params.values())
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             **({"fused": True} if fused else {"foreach": True}))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -68,6 +68,31 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer: torch.optim.Optimizer, lr: float | torch.Tensor) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+class DeviceLrSchedule:
+    """:func:`lr_at` of the steps applied so far, chosen on the device.
+
+    A skipped step does not advance the schedule (torchtitan and Megatron-LM step their schedulers only after
+    an applied update): step ``s`` trains with ``lr_at(s - skipped)``, ``skipped`` being the count of skipped
+    steps before it -- a tensor on the device, so the host never reads it. The values are :func:`lr_at`'s own,
+    tabulated once (float64 on the host's side of the kernel: the CPU's fused AdamW reads a float64 scalar, as
+    from a Python float; fp32 on a GPU, whose fused kernel reads an fp32 learning rate and computed in fp32
+    from a Python float as well)."""
+
+    def __init__(self, cfg: TrainConfig, device: torch.device):
+        self.table = torch.tensor([lr_at(s, cfg) for s in range(cfg.steps)], dtype=torch.float64, device=device)
+        self.lr = torch.zeros((), dtype=torch.float32 if device.type == "cuda" else torch.float64, device=device)
+        """The learning rate the optimizer's groups hold: a tensor on the device, refilled every step."""
+
+    def set(self, optimizer: torch.optim.Optimizer, step: int, skipped: torch.Tensor) -> torch.Tensor:
+        """Put step ``step``'s learning rate into ``optimizer`` given ``skipped`` (a 0-dim device tensor, the
+        skipped steps before it); returns it (float64, for the metrics)."""
+        index = (step - skipped.long()).clamp_(0, self.table.numel() - 1).reshape(1)
+        lr = self.table.index_select(0, index).reshape(())
+        self.lr.copy_(lr)
+        set_lr(optimizer, self.lr)
+        return lr

@@ -16,3 +16,6 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)
     """The pre-clip global gradient norm of every step (empty where the runner has no single global norm: the
     parameter server's workers each measure their own)."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """The optimizer steps that were skipped on every rank (non-finite loss or gradient, fp16 overflow, a norm
+    above ``train.skip_grad_norm_above``; :mod:`shardwise.train.step_guard`), as this rank read them."""

@@ -52,6 +52,7 @@ class OneStage:
         the mean loss of this replica's micro-batches. ``dropout_key``: that of the first micro-batch, shifted
         by the sequences before each."""
         loss_sum = torch.zeros((), device=self.device)
+        losses = []
         done = 0
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
@@ -61,10 +62,13 @@ class OneStage:
                         loss = self.wrapper(x, y)
                     else:
                         loss = self.wrapper(x, y, dropout_key=dropout_key.shifted(done))
-                loss_sum += loss.detach()
+                losses.append(loss.detach())
+                loss_sum += losses[-1]
                 scaled = loss / len(batches)
                 (scaler.scale_loss(scaled) if scaler else scaled).backward()
             done += x.shape[0]
+        self.micro_losses = torch.stack(losses) if len(losses) > 1 else losses[0].reshape(1)
+        """Each micro-batch's loss of the last step (read only after a skipped step, to name where it came from)."""
         return loss_sum / len(batches)
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -92,7 +96,7 @@ class PipelineSchedule:
         """One step of the schedule over the concatenated micro-batches, then the data-parallel average."""
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
-        self.pipe.loss_scale = scaler.scale if scaler else 1.0
+        self.pipe.loss_scale = scaler.scale_tensor if scaler else None
         with self.wrapper.pipeline_step():  # gradients accumulate over the schedule ...
             loss = self.pipe.step(x, y, dropout_key)
         self.wrapper.reduce_gradients()  # ... and are averaged once, after the flush

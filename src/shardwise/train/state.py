@@ -38,12 +38,14 @@ def rng_pieces(rng_states: list[torch.Tensor]) -> list[Piece]:
     return [whole(f"rng/rank{r}", state) for r, state in enumerate(rng_states)]
 
 
-def capture_meta(param_groups: list[dict], scaler, sampler, step: int, cfg) -> dict:
+def capture_meta(param_groups: list[dict], scaler, sampler, step: int, cfg, skipped_steps: int = 0) -> dict:
     """The JSON part of a checkpoint. ``param_groups`` are the single-process optimizer's groups
-    (hyper-parameters and parameter indices); the tensors travel as pieces."""
+    (hyper-parameters and parameter indices); the tensors travel as pieces. ``skipped_steps``: the steps skipped
+    before ``step`` (the learning-rate schedule counts only the applied ones, :mod:`shardwise.train.step_guard`)."""
     _, groups_meta = optimizer_state_to_tensors({"state": {}, "param_groups": param_groups})
     return {
         "step": step,
+        "skipped_steps": skipped_steps,
         "optimizer": groups_meta,
         "scaler": scaler.state_dict() if scaler else None,
         "data": sampler.state_dict(step),

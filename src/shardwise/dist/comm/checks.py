@@ -15,6 +15,16 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"comm.topk_ratio={c.topk_ratio} is not valid; use a fraction in (0, 1]")
     positive("comm.node_size", c.node_size, allow_zero=True)
     positive("comm.timeout_s", c.timeout_s, allow_zero=True)
+    p = cfg.parallel
+    if cfg.run.device == "cuda" and p.backend == "gloo" and not p.zero and (p.dp or 1) * p.cp > 1:
+        if c.algorithm != "native":
+            raise ConfigError(f"comm.algorithm={c.algorithm!r} with run.device='cuda' and parallel.backend='gloo': "
+                              "our all-reduce algorithms send CUDA tensors point to point, which gloo takes on the "
+                              "CPU only; use comm.algorithm='native' or parallel.backend='nccl' (or 'auto')")
+        if c.compression in ("int8", "topk"):
+            raise ConfigError(f"comm.compression={c.compression!r} with run.device='cuda' and parallel.backend="
+                              "'gloo': it all-gathers CUDA tensors, and gloo has only all-reduce and broadcast for "
+                              "them; use parallel.backend='nccl' (or 'auto'), or 'none', 'fp16' or 'bf16'")
 
 
 def unused(cfg: Config) -> list[Unused]:

@@ -27,14 +27,16 @@ COLLAPSE_STEPS = 20
 
 
 def router_step(model: nn.Module, group: dist.ProcessGroup | None,
-                pp_group: dist.ProcessGroup | None = None, seq_group: dist.ProcessGroup | None = None
-                ) -> dict[str, float | list[int]]:
+                pp_group: dist.ProcessGroup | None = None, seq_group: dist.ProcessGroup | None = None,
+                skipped: torch.Tensor | None = None) -> dict[str, float | list[int]]:
     """After an optimizer step: this step's router sums added over ``group`` (a collective where the model has
     MoE blocks), each ``sigmoid_bias`` router's bias moved by the global load of its block, and the metrics of
     :func:`shardwise.model.moe.moe_metrics`. ``pp_group`` (a collective on every stage, with or without MoE
     blocks): each stage's blocks joined for the metrics. ``seq_group`` (sequence parallelism's tp group): its
     ranks routed different tokens of the same sequences, so their counts -- not the losses, which each of them
-    holds for the whole sequence (:mod:`.sequence`), nor the forwards -- are added over it first."""
+    holds for the whole sequence (:mod:`.sequence`), nor the forwards -- are added over it first. ``skipped``: a
+    0-dim flag on the device, 1 when the optimizer step was skipped (:mod:`shardwise.train.step_guard`): the biases
+    then stay where they are, as the weights do (no host reads it)."""
     totals = pop_moe_totals(model)
     if totals is not None and seq_group is not None and dist.get_world_size(seq_group) > 1:
         n = totals.counts.numel()
@@ -47,7 +49,7 @@ def router_step(model: nn.Module, group: dist.ProcessGroup | None,
         totals = totals.with_flat(flat)
     if totals is not None:
         for moe, load in zip(moe_layers(model), totals.counts[:, 1], strict=True):
-            update_expert_bias(moe.router, load, moe.bias_rate)
+            update_expert_bias(moe.router, load, moe.bias_rate, skipped)
     if pp_group is not None:
         stages: list[RouterTotals | None] = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(stages, totals, group=pp_group)

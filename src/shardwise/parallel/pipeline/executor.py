@@ -78,8 +78,9 @@ class Pipeline:
       1/tp of the whole-sequence bytes, as in Megatron.
     * ``forward_context``: a context-manager factory entered around every forward computation
       (e.g. ``torch.autocast`` for mixed precision; backward runs outside it, as torch recommends).
-    * ``loss_scale``: the last stage multiplies each micro-batch's ``loss / m`` by it before backward
-      (fp16 dynamic loss scaling, Micikevicius et al. 2018 §3.2); set it before every step.
+    * ``loss_scale``: None, or a factor (a number or a 0-dim tensor on the device) the last stage multiplies each
+      micro-batch's ``loss / m`` by before backward (fp16 dynamic loss scaling, Micikevicius et al. 2018 §3.2);
+      set it before every step.
     * ``comm_stats``: where every point-to-point send is recorded (:mod:`shardwise.dist.comm.counting`;
       activations, their gradients, the tied table's gradient).
     * ``tokens_to_every_stage``: every stage's forward also gets its micro-batch's input ids as ``tokens=``
@@ -120,7 +121,7 @@ class Pipeline:
                 defer_linear_weight_grads(chunk, self.weight_grads)
         self.forward_context = forward_context
         self.tokens_to_every_stage = tokens_to_every_stage
-        self.loss_scale = 1.0
+        self.loss_scale: torch.Tensor | float | None = None
         self.moe_chunks = {c for c, chunk in enumerate(self.chunks) if moe_layers(chunk)}
         """Chunks with mixture-of-experts blocks, whose router losses their backward adds."""
         self.aux_loss = torch.zeros((), dtype=torch.float64)
@@ -214,11 +215,12 @@ class Pipeline:
                 if last:
                     losses.append(out.detach().float())
                     out = out / self.m
-                    if self.loss_scale != 1.0:
+                    if self.loss_scale is not None:
                         out = out * self.loss_scale
                 elif c in self.moe_chunks and (aux := moe_aux_loss(self.chunks[c])) is not None and aux.requires_grad:
                     aux_sum += aux.detach().double()
-                    saved_aux[(c, i)] = aux * (self.loss_scale / self.m)
+                    scale = 1.0 if self.loss_scale is None else self.loss_scale
+                    saved_aux[(c, i)] = aux * (scale / self.m)
                 if s > 0:
                     saved_in[(c, i)] = x
                 saved_out[(c, i)] = out

@@ -29,6 +29,11 @@ def check(cfg: Config) -> None:
     if (p.dp * p.cp) % p.zero_hpz:  # ZeRO shards over dp x cp; hpZ's groups are consecutive ranks of it
         raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} does not divide parallel.dp*cp={p.dp * p.cp}; "
                           f"use one of {divisors(p.dp * p.cp)}")
+    if p.zero and cfg.run.device == "cuda" and p.backend == "gloo":
+        raise ConfigError(f"parallel.zero={p.zero} with run.device='cuda' and parallel.backend='gloo': ZeRO "
+                          "reduce-scatters gradients and all-gathers parameters on the GPU, and gloo has only "
+                          "all-reduce and broadcast for CUDA tensors; use parallel.backend='nccl' (or 'auto') or "
+                          "run.device='cpu'")
 
 
 def check_param_dtype(cfg: Config) -> None:

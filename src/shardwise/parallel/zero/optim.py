@@ -57,12 +57,30 @@ class ZeroOptimizer:
     def master_params(self) -> list[torch.Tensor]:
         return self.engine.masters.params()
 
-    def step(self) -> None:
-        if self.engine.masters.disk is not None:
-            self._streamed_step()
-        else:
-            self.inner.step()
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """Step the master pieces, then write them back (and all-gather). ``found_inf``: a 0-dim flag tensor;
+        where it is nonzero the reference optimizer (a fused torch optimizer, as ``torch.amp.GradScaler``
+        drives it) leaves every piece and its state as they were -- decided on the device, read by no host."""
+        if found_inf is not None:
+            self._hand_to_masters(found_inf)
+        try:
+            if self.engine.masters.disk is not None:
+                self._streamed_step()
+            else:
+                self.inner.step()
+        finally:
+            self.inner.__dict__.pop("found_inf", None)
         self.engine.after_step()
+
+    def _hand_to_masters(self, found_inf: torch.Tensor) -> None:
+        """The skip flag, and a learning rate held as a tensor, on the masters' device. Masters offloaded to the
+        host from a GPU get copies that wait for the device (a non-blocking copy would be read unfinished)."""
+        masters = self.master_params()
+        device = masters[0].device if masters else found_inf.device
+        self.inner.found_inf = found_inf.to(device)
+        for g in self.inner.param_groups:
+            if isinstance(g["lr"], torch.Tensor) and g["lr"].device != device:
+                g["lr"] = g["lr"].to(device, torch.float64 if device.type == "cpu" else torch.float32)
 
     def _streamed_step(self) -> None:
         """Disk offload (ZeRO-Infinity §5): step one unit at a time — stream its master pieces and
