@@ -367,7 +367,7 @@ PROOFS: dict[str, tuple] = {
                     Refused({"parallel.ep": 2}, "needs a mixture-of-experts model"),
                     Refused({"model.n_experts": 4, "parallel.nproc": 4, "parallel.ep": 3}, "does not divide"),
                     Refused({"model.n_experts": 4, "parallel.nproc": 2, "parallel.ep": 4},
-                            "parallel.ep=4 does not divide parallel.dp=2")),
+                            "parallel.ep=4 does not divide parallel.dp*cp=2")),
     "parallel.zero": (reads("train/engine.py"),),
     "parallel.zero_unit": (reads("train/engine.py"),
                            Refused({"parallel.zero": 2, "parallel.zero_unit": 2}, "set parallel.zero=3")),
