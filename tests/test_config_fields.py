@@ -371,7 +371,7 @@ PROOFS: dict[str, tuple] = {
                     Refused({"parallel.ep": 2}, "needs a mixture-of-experts model"),
                     Refused({"model.n_experts": 4, "parallel.nproc": 4, "parallel.ep": 3}, "does not divide"),
                     Refused({"model.n_experts": 4, "parallel.nproc": 2, "parallel.ep": 4},
-                            "parallel.ep=4 does not divide parallel.dp=2")),
+                            "parallel.ep=4 does not divide parallel.dp*cp=2")),
     "parallel.ep_dispatch": (reads("parallel/parallelize.py"),
                              Refused({"parallel.ep_dispatch": "padded"}, "but parallel.ep=1"),
                              Refused({"model.n_experts": 4, "parallel.ep": 2, "parallel.ep_dispatch": "padded"},

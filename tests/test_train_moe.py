@@ -240,7 +240,7 @@ def reference6(tmp_path_factory, cache_dir):
     return get
 
 
-@pytest.mark.parametrize("name,nproc,overrides", [  # dp 2 in every case: micro-batches of 4 as the reference's
+@pytest.mark.parametrize("name,nproc,overrides", [  # micro-batches of 4 as the reference's (dp 2, or dp 1 with 2)
     ("ep2-noclip", 2, {"parallel.ep": 2, "train.grad_clip": 0}),
     ("ep2-tp2-sp", 4, {"parallel.ep": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}),
     ("cp2-ep2", 4, {"parallel.cp": 2, "parallel.ep": 2}),
@@ -254,6 +254,10 @@ def reference6(tmp_path_factory, cache_dir):
     # ZeRO-3 with hpZ: dense units keep secondary partitions over 2 consecutive dp x cp ranks; expert units,
     # sliced over their own replicas, gather from their primary slices
     ("cp2-ep2-zero3-hpz2", 4, {"parallel.cp": 2, "parallel.ep": 2, "parallel.zero": 3, "parallel.zero_hpz": 2}),
+    # ep carved out of dp x cp, not dp alone: groups spanning both data-parallel replicas and context shards (dp
+    # 2), and (dp 1) groups inside the context shards, ZeRO-3 slicing each expert unit over its 2 replicas (edp)
+    ("cp2-ep4", 4, {"parallel.cp": 2, "parallel.ep": 4}),
+    ("cp4-ep2-zero3", 4, {"parallel.cp": 4, "parallel.ep": 2, "parallel.zero": 3}),
 ])
 def test_experts_with_every_axis_equal_one_process(reference6, tmp_path, cache_dir, name, nproc, overrides):
     """Experts under sequence parallelism (each tp rank routes its sequence shard; the router's and experts'

@@ -3,10 +3,11 @@ drop what violates divisibility or does not fit; rank the rest by predicted toke
 
 Constraints follow Megatron-LM's (Narayanan et al. 2021 §3.3, "Takeaways"): tensor parallelism
 within a node and dividing the heads; pipeline stages dividing the layers; expert parallelism dividing
-the experts and dp·cp (shardwise.dist.mesh). ZeRO-2/3 inside a pipeline is searched too (DeepSpeed allows
-only ZeRO-1 there; torchtitan composes FSDP with every schedule): its memory lines hold the stage's
-unsharded gradients and, ZeRO-3, its gathered parameters until the flush (:func:`~shardwise.plan.memory.
-pipeline_flush_lines`), so it wins only where the optimizer's states dominate.
+the experts and dp·cp (the trainer's own rule, :func:`shardwise.parallel.expert.checks.expert_parallel_error`).
+ZeRO-2/3 inside a pipeline is searched too (DeepSpeed allows only ZeRO-1 there; torchtitan composes FSDP with
+every schedule): its memory lines hold the stage's unsharded gradients and, ZeRO-3, its gathered parameters
+until the flush (:func:`~shardwise.plan.memory.pipeline_flush_lines`), so it wins only where the optimizer's
+states dominate.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from shardwise.parallel.expert.checks import expert_parallel_error
 from shardwise.plan.hardware import Cluster
 from shardwise.plan.memory import (
     MemoryBreakdown,
@@ -89,7 +91,7 @@ def check(m: ModelSpec, lay: Layout, s: int, cluster: Cluster) -> str | None:
         return "pp·pp_virtual does not divide the layers"
     if s % lay.cp or (lay.cp > 1 and (s // lay.cp) % 2):
         return "cp does not divide the sequence (in even chunks)"
-    if (lay.dp * lay.cp) % lay.ep or (m.n_experts and m.n_experts % lay.ep) or (not m.n_experts and lay.ep > 1):
+    if expert_parallel_error(lay.dp, lay.cp, lay.ep, m.n_experts):  # the trainer's own rule
         return "ep does not divide dp·cp and the experts"
     if lay.sequence_parallel and lay.tp == 1:
         return "sequence parallel without tensor parallel"
@@ -138,7 +140,8 @@ def search(m: ModelSpec, s: int, cluster: Cluster, fixed: dict, global_batch: in
                         mbs = [fixed.get("micro_batch", 1)]
                     else:
                         mbs = opts("micro_batch", [d for d in _divisors(per_dp) if d <= max_micro_batch])
-                    eps = opts("ep", [d for d in _divisors(dp * cp) if m.n_experts and m.n_experts % d == 0] or [1])
+                    eps = opts("ep", [d for d in _divisors(dp * cp) if not expert_parallel_error(dp, cp, d,
+                                                                                                 m.n_experts)])
                     for ep in eps:
                         for zero in opts("zero", [0, 1, 2, 3]):
                             for mb in mbs:

@@ -9,7 +9,8 @@ this rank's number of elements: the tensor-parallel slice the plan table gives i
 weight. The groups are then the engine's own: :func:`shardwise.parallel.data._assign_buckets` for
 DataParallel's buckets and ZeRO-1/2's units (expert weights in buckets of their own), and
 :func:`shardwise.parallel.zero.wrapper.block_units` for ZeRO-3's units (a root unit first, then runs of
-``parallel.zero_unit`` blocks, each block's experts a unit of their own after it).
+``parallel.zero_unit`` blocks, each followed by one unit per MoE block of its experts, as the engine's
+``ZeroDataParallel._expert_modules`` cuts them).
 """
 
 from __future__ import annotations
@@ -130,10 +131,9 @@ def rank_params(cfg: Config, model: nn.Module, stages: list[int], split: list[ra
 def _stage3_units(rp: RankParams, unit_blocks: int) -> list[list[int]]:
     blocks = sorted({pc for pc in rp.pieces if isinstance(pc, int)})
     units = [[i for i, pc in enumerate(rp.pieces) if not isinstance(pc, int)]]
-    for run in block_units(blocks, unit_blocks):
-        dense = [i for i, pc in enumerate(rp.pieces) if pc in run and not rp.expert[i]]
-        experts = [i for i, pc in enumerate(rp.pieces) if pc in run and rp.expert[i]]
-        units += [g for g in (dense, experts) if g]
+    for run in block_units(blocks, unit_blocks):  # each run's dense weights, then each of its blocks' experts
+        units.append([i for i, pc in enumerate(rp.pieces) if pc in run and not rp.expert[i]])
+        units += [g for b in run if (g := [i for i, pc in enumerate(rp.pieces) if pc == b and rp.expert[i]])]
     return units
 
 

@@ -131,7 +131,7 @@ def _rank_report(cfg: Config, builder: StepBuilder, costs: RankCosts, graph: Gra
     busy = sum(b - a for a, b in busy_intervals(tasks))
     states = state_bytes(cfg, builder.params[r])
     if cfg.parallel.zero == 3 and cfg.parallel.zero_hpz > 1:  # hpZ's secondary partitions, forward to backward
-        units = builder.params[r].groups[1:]
+        units = [u for u in builder.params[r].groups[1:] if builder.unit_axis(r, u) == "dp_cp"]  # experts keep none
         states["params"] += sum(builder.unit_bytes(r, u, padded=True) for u in units) / cfg.parallel.zero_hpz
     act, transient = _activation_peak(cfg, builder, costs, r)
     return RankReport(r, busy, exposed_comm(tasks), states, act, transient)

@@ -18,8 +18,10 @@ What is taken from the engine rather than described again:
   with a pipeline every bucket is reduced after the flush (Narayanan et al. 2021 §3); ZeRO-3 gathers each
   unit before its forward and again before its backward, the next unit's gather in flight during the current
   unit's compute (prefetch), the root unit once per micro-batch, and reduce-scatters each unit once its last
-  backward is done (Rajbhandari et al. 2020 §5.3; Zhao et al. 2023 §3.3). On gloo ZeRO-2/3 wait for each
-  reduce-scatter at once (``overlap_reduce``), on NCCL they overlap the backward;
+  backward is done (Rajbhandari et al. 2020 §5.3; Zhao et al. 2023 §3.3), where the engine's hooks issue them
+  (:mod:`shardwise.sim.zero3`). Expert weights under expert parallelism are bucketed and sliced over their
+  replicas (mesh axis ``edp``), the rest over dp x cp. On gloo ZeRO-2/3 wait for each reduce-scatter at once
+  (``overlap_reduce``), on NCCL they overlap the backward;
 * the step around them (:mod:`shardwise.train.loop`): ZeRO's "had a gradient" flags, the global gradient
   norm's all-reduces (tp, the shard group, pp), the optimizer, ZeRO-1/2's gathers of the updated weights,
   the pipeline's loss all-reduce and timeline gather, the loop's loss all-reduce.
@@ -39,6 +41,7 @@ from shardwise.sim.layers import LayerComm
 from shardwise.sim.network import Fabric
 from shardwise.sim.params import EMBED, HEAD, RankParams, meta_model, rank_params
 from shardwise.sim.tasks import COMPUTE, Graph, Task
+from shardwise.sim.zero3 import Stage3Hooks
 
 AXIS_OF = {"dp_cp": "dp", "edp": "dp", "hpz": "dp"}
 """Gradient reductions and ZeRO's gathers over dp x cp, the expert replicas or hpZ's node subgroups are shown as
@@ -100,7 +103,7 @@ class StepBuilder:
                 pairs = np.array(groups)
                 groups = np.stack([pairs.ravel(), np.roll(pairs, -1, axis=1).ravel()], axis=1).tolist()
                 collective = "send"
-            elif collective in ("reduce-scatter", "all-gather") and axis in ("dp_cp", "hpz") and self.gloo_zero:
+            elif collective in ("reduce-scatter", "all-gather") and axis in ("dp_cp", "edp", "hpz") and self.gloo_zero:
                 collective = "pairwise"  # ZeRO's direct exchanges of blocks on gloo
             if native is None:
                 native = self.hands_to_backend(axis, collective)
@@ -174,15 +177,18 @@ class StepBuilder:
                                    segments=segments, args=args))
 
     def _comm_task(self, ranks, name: str, axis: str, seconds: float, deps=(), stream: str | None = None,
-                   nbytes: float = 0.0) -> Task:
+                   nbytes: float = 0.0, args: dict | None = None) -> Task:
         """A collective over the groups of mesh axis ``axis`` on its stream (``stream``: another one, e.g. the
         compute stream of a blocking call); on hardware that cannot overlap, on the compute stream -- unless it
-        crosses nodes and the hardware's NICs pace it beside the computation (``network_overlap``)."""
+        crosses nodes and the hardware's NICs pace it beside the computation (``network_overlap``). An axis
+        shown as another (:data:`AXIS_OF`) is kept in the task's ``args["group"]``."""
         hw = self.fabric.hw
         beside = hw.overlap or (stream is None and hw.network_overlap and self.crosses_nodes(axis))
+        args = {**(args or {}), **({"group": axis} if axis in AXIS_OF else {})}
         axis = AXIS_OF.get(axis, axis)
         stream = (stream or axis) if beside else COMPUTE
-        return self.graph.add(Task(name, name, tuple(ranks), stream, seconds, list(deps), axis=axis, nbytes=nbytes))
+        return self.graph.add(Task(name, name, tuple(ranks), stream, seconds, list(deps), axis=axis, nbytes=nbytes,
+                                   args=args))
 
     def pieces(self, stage: int) -> list:
         out = [EMBED] if stage == 0 else []
@@ -249,49 +255,29 @@ class StepBuilder:
         rp = self.params[0]
         pieces = self.pieces(0)
         shard = p.dp * p.cp
-        zero3 = p.zero == 3 and shard > 1
-        unit_of = {rp.pieces[i]: u for u, g in enumerate(rp.groups) for i in g} if zero3 else {}
-        first_of = {}  # each unit's first piece in forward order: where its gather waits and its gradients end
-        for pc in pieces:
-            first_of.setdefault(unit_of.get(pc, 0), pc)
-        n_units = len(rp.groups) if zero3 else 0
+        zero3 = Stage3Hooks(self, 0, pieces) if p.zero == 3 and shard > 1 else None
         previous: Task | None = None
         self._bucket_tasks: list[Task] = []
         for mb in range(self.m):
             last = mb == self.m - 1
-            before = [previous] if previous else []
-            gathers: dict[int, Task] = {}
-            if zero3:  # the root's pre-forward hook gathers the root and prefetches unit 1
-                gathers[0] = self._gather(0, rp.groups[0], before, f"gather root mb{mb}")
-                if n_units > 1:
-                    gathers[1] = self._gather(0, rp.groups[1], before, f"gather u1 mb{mb}")
+            if zero3:
+                zero3.start(mb, backward=False)
             for pc in pieces:
-                u = unit_of.get(pc, 0)
-                deps = ([previous] if previous else []) + ([gathers[u]] if zero3 else [])
-                if zero3 and u > 0 and pc == first_of[u] and u + 1 < n_units:  # prefetch the next unit
-                    gathers[u + 1] = self._gather(0, rp.groups[u + 1], [previous], f"gather u{u + 1} mb{mb}")
+                deps = [previous] if previous else []
+                deps += zero3.before(pc, deps) if zero3 else []
                 previous = self._task(0, f"F{mb} {pc}", "F", self.layers.segments(pc, "F"), deps, mb=mb)
-            gathers = {}
+            if zero3:
+                zero3.start(mb, backward=True)
             ready: set = set()
             launched = 0
             for pc in reversed(pieces):
-                u = unit_of.get(pc, 0)
-                deps = [previous]
-                if zero3 and u > 0:
-                    if u not in gathers:  # the unit's pre-backward hook: gather it, prefetch the one before
-                        gathers[u] = self._gather(0, rp.groups[u], [previous], f"gather u{u} bwd mb{mb}", True)
-                        if u - 1 >= 1:
-                            gathers[u - 1] = self._gather(0, rp.groups[u - 1], [previous],
-                                                          f"gather u{u - 1} bwd mb{mb}", True)
-                    deps.append(gathers[u])
+                deps = [previous] + (zero3.before(pc, [previous]) if zero3 else [])
                 previous = self._task(0, f"B{mb} {pc}", "B", self.layers.segments(pc, "B"), deps, mb=mb)
                 if not last or shard == 1:
                     continue
-                if zero3 and pc == first_of[u]:  # the unit's gradients are complete: reduce-scatter them
-                    rs = self._reduce(0, rp.groups[u], [previous], f"reduce-scatter u{u}")
-                    if self.fabric.hw.backend == "gloo":  # overlap_reduce is off on CPU: backward waits
-                        previous = self._task(0, f"wait u{u}", "wait", [("wait", None, 0.0)], [previous, rs])
-                elif not zero3:
+                if zero3:  # the units whose gradients are complete: reduce-scattered
+                    previous = zero3.after_backward(pc, previous)
+                else:
                     ready.add(pc)
                     previous, launched = self._launch_ready(rp, ready, launched, previous)
             if last and shard > 1 and not zero3:
@@ -307,31 +293,49 @@ class StepBuilder:
             g = rp.groups[launched]
             if p.zero == 0:
                 nbytes = 4.0 * (rp.group_numel(g) + len(g))  # the gradients and one "had a gradient" flag each
-                axis = "edp" if rp.expert[g[0]] else "dp_cp"
+                axis = self.unit_axis(0, g)
                 t = self._comm_task([0], f"all-reduce bucket {launched}", axis,
                                     self.comm(axis, "all-reduce", nbytes, native=self.native_buckets), [previous],
                                     nbytes=nbytes)
             else:
-                t = self._reduce(0, g, [previous], f"reduce-scatter bucket {launched}")
+                t = self._reduce(0, launched, [previous], f"reduce-scatter bucket {launched}")
                 if p.zero == 2 and self.fabric.hw.backend == "gloo":
                     previous = self._task(0, f"wait bucket {launched}", "wait", [("wait", None, 0.0)], [previous, t])
             self._bucket_tasks.append(t)
             launched += 1
         return previous, launched
 
-    def _gather(self, r: int, unit: list[int], deps, name: str, backward: bool = False) -> Task:
-        """A ZeRO-3 unit's all-gather; in backward with hpZ, inside the node from the secondary partitions."""
-        nbytes = self.unit_bytes(r, unit, padded=True)
-        axis = "hpz" if backward and self.cfg.parallel.zero_hpz > 1 else "dp_cp"
-        return self._comm_task([r], name, axis, self.comm(axis, "all-gather", nbytes, r), deps, nbytes=nbytes)
+    def unit_axis(self, r: int, unit: list[int]) -> str:
+        """The group a bucket's or ZeRO unit's collectives run over: its expert replicas ("edp") for expert weights
+        under expert parallelism (the engine's ``expert_group``), else the dp x cp ranks ("dp_cp")."""
+        return "edp" if self.params[r].expert[unit[0]] else "dp_cp"
 
-    def _reduce(self, r: int, unit: list[int], deps, name: str) -> Task:
-        """A unit's reduce-scatter; with ZeRO-Offload its gradient slice then goes to the host (a side stream)."""
+    def unit_world(self, r: int, unit: list[int]) -> int:
+        """The ranks ``unit`` is sliced over (:meth:`unit_axis`)."""
+        return self.dims.size(self.unit_axis(r, unit))
+
+    def _gather(self, r: int, u: int, deps, name: str, backward: bool = False) -> Task:
+        """ZeRO-3 unit ``u``'s all-gather; in backward with hpZ, a dense unit's inside the node from the secondary
+        partitions (expert units keep none: they gather from their primary slices)."""
+        unit = self.params[r].groups[u]
         nbytes = self.unit_bytes(r, unit, padded=True)
-        rs = self._comm_task([r], name, "dp_cp", self.comm("dp_cp", "reduce-scatter", nbytes, r), deps, nbytes=nbytes)
+        axis = self.unit_axis(r, unit)
+        if backward and self.cfg.parallel.zero_hpz > 1 and axis == "dp_cp":
+            axis = "hpz"
+        return self._comm_task([r], name, axis, self.comm(axis, "all-gather", nbytes, r), deps, nbytes=nbytes,
+                               args={"unit": u})
+
+    def _reduce(self, r: int, u: int, deps, name: str) -> Task:
+        """Unit (or bucket) ``u``'s reduce-scatter; with ZeRO-Offload its gradient slice then goes to the host (a
+        side stream)."""
+        unit = self.params[r].groups[u]
+        nbytes = self.unit_bytes(r, unit, padded=True)
+        axis = self.unit_axis(r, unit)
+        rs = self._comm_task([r], name, axis, self.comm(axis, "reduce-scatter", nbytes, r), deps, nbytes=nbytes,
+                             args={"unit": u})
         p = self.cfg.parallel
         if p.offload != "none":
-            shard = 4.0 * -(-self.params[r].group_numel(unit) // (p.dp * p.cp))
+            shard = 4.0 * -(-self.params[r].group_numel(unit) // self.unit_world(r, unit))
             self._copies.setdefault(r, []).append(self._comm_task(
                 [r], f"{name}: gradient to host", "offload", shard / self.fabric.hw.pcie_bw, [rs], stream="pcie",
                 nbytes=shard))
@@ -339,7 +343,7 @@ class StepBuilder:
 
     def unit_bytes(self, r: int, unit: list[int], padded: bool) -> float:
         p = self.cfg.parallel
-        world = p.dp * p.cp
+        world = self.unit_world(r, unit)
         n = self.params[r].group_numel(unit)
         elt = 2.0 if p.zero_param_dtype == "bf16" else 4.0
         return elt * (-(-n // world) * world if padded else n)
@@ -357,12 +361,12 @@ class StepBuilder:
                 for i, g in enumerate(rp.groups):
                     if p.zero == 0:
                         nbytes = 4.0 * (rp.group_numel(g) + len(g))
-                        axis = "edp" if rp.expert[g[0]] else "dp_cp"
+                        axis = self.unit_axis(r, g)
                         seconds = self.comm(axis, "all-reduce", nbytes, r, native=self.native_buckets)
                         deps.append(self._comm_task([r], f"all-reduce bucket {i}", axis, seconds, [prev],
                                                     nbytes=nbytes))
                     else:
-                        deps.append(self._reduce(r, g, [prev], f"reduce-scatter bucket {i}"))
+                        deps.append(self._reduce(r, i, [prev], f"reduce-scatter bucket {i}"))
                 prev = self._task(r, "wait for gradients", "wait", [("wait", None, 0.0)], deps)
             if p.zero and shard > 1:  # which parameters had a gradient (one uint8 each; our ring on gloo)
                 seconds = self.comm("dp_cp", "all-reduce", float(len(rp.names)), r, native=not self.gloo_zero)
@@ -376,12 +380,14 @@ class StepBuilder:
                 ends = self._sync(ends, axis, f"grad norm all-reduce ({axis})", 8.0)
         for r in range(self.pp):
             rp = self.params[r]
-            elements = rp.total if p.zero == 0 else sum(-(-rp.group_numel(g) // shard) for g in rp.groups)
+            elements = rp.total if p.zero == 0 else sum(-(-rp.group_numel(g) // self.unit_world(r, g))
+                                                         for g in rp.groups)
             prev = self._optimizer(r, elements, len(rp.names), ends[r])
             if p.zero in (1, 2) and shard > 1:
                 for i, g in enumerate(rp.groups):
-                    prev = self._blocking(r, f"all-gather bucket {i}", "dp",
-                                          self.comm("dp_cp", "all-gather", self.unit_bytes(r, g, True), r), prev)
+                    axis = self.unit_axis(r, g)
+                    prev = self._blocking(r, f"all-gather bucket {i}", axis,
+                                          self.comm(axis, "all-gather", self.unit_bytes(r, g, True), r), prev)
             ends[r] = prev
         loss_axis = "dp_cp" if shard > 1 else None
         if loss_axis:

@@ -1,5 +1,5 @@
 """The config rules of mixture-of-experts blocks and expert parallelism, functions of the config alone
-(no torch): the MoE fields in range, ``ep`` against the experts and the data-parallel ranks, and what
+(no torch): the MoE fields in range, ``ep`` against the experts and the dp x cp ranks, and what
 experts do not compose with yet, one line each."""
 
 from __future__ import annotations
@@ -45,18 +45,30 @@ def check_moe_fields(m: ModelConfig) -> None:
                           "experts are SwiGLU; use 'silu' or a dense model")
 
 
+def expert_parallel_error(dp: int, cp: int, ep: int, n_experts: int) -> str | None:
+    """Why ``ep`` cannot split ``n_experts`` experts in a layout of ``dp`` x ``cp`` ranks holding the same weights
+    (``None``: it can) -- the one rule the trainer's checks, the planner's search and the simulator apply.
+
+    The ep groups are runs of ``ep`` of the dp x cp ranks (:class:`~shardwise.dist.mesh.ParallelDims`;
+    torchtitan's "dp2ep" carves them out of dp x cp the same way), so ep divides dp * cp -- it may span data-
+    and context-parallel ranks -- and the experts, which it splits evenly."""
+    if ep > 1 and not n_experts:
+        return (f"parallel.ep={ep} needs a mixture-of-experts model; set model.n_experts (a multiple of "
+                "parallel.ep) or parallel.ep=1")
+    if n_experts % ep:
+        return f"parallel.ep={ep} does not divide model.n_experts={n_experts}; use one of {divisors(n_experts)}"
+    if (dp * cp) % ep:
+        return f"parallel.ep={ep} does not divide parallel.dp*cp={dp * cp}; use one of {divisors(dp * cp)}"
+    return None
+
+
 def check(cfg: Config) -> None:
-    """Expert parallelism (:mod:`.dispatch`) splits model.n_experts over runs of parallel.ep data-parallel
-    ranks."""
+    """Expert parallelism (:mod:`.dispatch`) splits model.n_experts over runs of parallel.ep of the dp x cp
+    ranks (:func:`expert_parallel_error`)."""
     p, m = cfg.parallel, cfg.model
-    if p.ep > 1 and not m.n_experts:
-        raise ConfigError(f"parallel.ep={p.ep} needs a mixture-of-experts model; set model.n_experts "
-                          "(a multiple of parallel.ep) or parallel.ep=1")
-    if m.n_experts % p.ep:
-        raise ConfigError(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}; "
-                          f"use one of {divisors(m.n_experts)}")
-    if p.dp % p.ep:
-        raise ConfigError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}; use one of {divisors(p.dp)}")
+    why = expert_parallel_error(p.dp, p.cp, p.ep, m.n_experts or 0)
+    if why:
+        raise ConfigError(why)
     if p.etp != 1:
         check_expert_tensor_parallel(cfg)
     choice("parallel.ep_dispatch", p.ep_dispatch)
