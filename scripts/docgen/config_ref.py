@@ -67,12 +67,12 @@ def refusal_line(r: Refusal, choices: tuple | None) -> str:
     return f"- «{r.text}» {where}"
 
 
-def render(src: Path) -> str:
-    """The page, from the package at ``src/shardwise``."""
+def render(src: Path, config_source: str | None = None) -> str:
+    """The page, from the package at ``src/shardwise`` (``config_source``: config.py's text, if not the file's)."""
     from shardwise import config as config_module
 
     package = src / "shardwise"
-    docs = field_docstrings((package / "config.py").read_text(encoding="utf-8"))
+    docs = field_docstrings(config_source or (package / "config.py").read_text(encoding="utf-8"))
     tree = config_module.Config()
     sections = [(f.name, getattr(tree, f.name)) for f in dataclasses.fields(tree)]
     fields = {f"{name}.{config_module.key_name(f.name)}" for name, section in sections
