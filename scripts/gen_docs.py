@@ -15,9 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-for path in (ROOT / "scripts", ROOT / "src"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))  # this checkout's package, whatever else is installed
+if str(ROOT / "scripts") not in sys.path:
+    sys.path.append(str(ROOT / "scripts"))
 
 from docgen import bench_page, cli_ref, config_ref  # noqa: E402
 

@@ -2,9 +2,10 @@
 
 Every fenced ``bash`` block carries a marker on the line before it, an HTML comment that the page does not show:
 
-* ``<!-- run -->``: every command in it runs in tests/test_docs.py, on tiny overrides (:func:`tiny`);
+* ``<!-- run -->``: every command in it runs in tests/test_docs.py, on tiny overrides (``tiny_train`` there);
 * ``<!-- check -->``: every ``shardwise train`` command is resolved as the trainer resolves it before starting
-  workers (the config, the layout against its world size), not trained -- for layouts of 8 ranks or real sizes;
+  workers (the config, the layout against its world size), not trained -- for layouts of 8 ranks, real sizes, or
+  injected faults (which need the launcher's restarts);
 * ``<!-- gpu-only -->``, ``<!-- multi-node -->``, ``<!-- long -->`` (a benchmark, a whole default run),
   ``<!-- synopsis -->`` (usage with placeholders), ``<!-- setup -->`` (installing): not run.
 

@@ -23,9 +23,10 @@ import pytest
 
 from tests.doc_commands import MARKERS, ROOT, blocks, commands, doc_files, flag_problems, program
 
-sys.path.insert(0, str(ROOT / "scripts"))
+if str(ROOT / "scripts") not in sys.path:
+    sys.path.append(str(ROOT / "scripts"))
 import gen_docs  # noqa: E402
-from docgen import config_ref  # noqa: E402
+from docgen import bench_page, config_ref  # noqa: E402
 from docgen.markdown import anchors  # noqa: E402
 
 SHELL = ("bash", "sh", "shell", "console")
@@ -50,6 +51,23 @@ def test_a_changed_field_docstring_changes_the_config_reference():
     changed = config_ref.render(ROOT / "src", mutated)
     committed = (ROOT / "docs" / "reference" / "config.md").read_text(encoding="utf-8")
     assert changed != committed and "Width of the residual stream." in changed
+
+
+def test_every_result_records_its_date_machine_and_command():
+    """The benchmark page shows each result's date, machine and command: a JSON without them is refused here."""
+    import json
+
+    missing = []
+    for path in sorted((ROOT / "bench" / "results").glob("*.json")):
+        if path.name.endswith(".trace.json"):
+            continue
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = doc if isinstance(doc, dict) else {}
+        lacks = [k for k, v in (("date", doc.get("date")), ("machine", bench_page.machine_of(doc)),
+                                ("command", doc.get("command"))) if not v]
+        if lacks:
+            missing.append(f"bench/results/{path.name}: no {', '.join(lacks)}")
+    assert not missing, "\n".join(missing)
 
 
 # ---- links -------------------------------------------------------------------------------------------------
