@@ -51,20 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
 
     p = sub.add_parser("generate", help="sample text from a trained run")
-    p.add_argument("run_dir", type=Path)
+    p.add_argument("run_dir", type=Path, help="a run directory (e.g. runs/latest)")
     p.add_argument("--prompt", action="append", help="text to continue (repeat for a batch; default 'def ')")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample after each prompt")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (1 = greedy)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument("--checkpoint", type=Path, help="a checkpoint directory (default: the newest valid one)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context every step (no key/value "
                                                            "cache; the same tokens, slower)")
 
     p = sub.add_parser("export", help="write a run's model and tokenizer for another library (--format hf: "
                                       "a transformers directory)")
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("out_dir", type=Path)
+    p.add_argument("run_dir", type=Path, help="a run directory (its newest valid checkpoint is exported)")
+    p.add_argument("out_dir", type=Path, help="the directory to write (new, or empty)")
     p.add_argument("--format", choices=["hf"], required=True, help="hf: config.json, model.safetensors (or shards "
                                                                    "and their index), tokenizer")
     p.add_argument("--checkpoint", type=Path, help="a checkpoint directory (default: the newest valid one)")
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="largest weight file, e.g. 5GB (default), 500MB, 2GiB")
 
     p = sub.add_parser("plot", help="plot loss and throughput of runs; `plot timeline RUN_DIR`: a pipeline's schedule")
-    p.add_argument("run_dirs", nargs="+", type=Path)
+    p.add_argument("run_dirs", nargs="+", type=Path, help="run directories to plot together, or `timeline RUN_DIR`")
     p.add_argument("--out", type=Path, help="PNG file (default: RUN_DIR/plot.png of the first run, "
                                             "or RUN_DIR/timeline.png and RUN_DIR/timeline.trace.json)")
 

@@ -386,7 +386,8 @@ class ParallelConfig:
     """With pp > 1: how blocks are split into stages: "even", "params" or "flops" (balanced by that
     cost, embedding and head included), or the first block of every stage after the first ("2,5")."""
     sequence_parallel: bool = False
-    """Sequence parallelism with tensor parallelism (not implemented yet: must be false)."""
+    """With tp > 1: also split the sequence over the tensor-parallel ranks outside the attention and MLP regions
+    (norms, dropout, residuals; Korthikanti et al. 2022 §4.2.2): f and g become all-gather and reduce-scatter."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB (data parallel, pipeline, ZeRO-1/2; ZeRO-3 reduces per zero_unit)."""
     backend: str = "auto"
