@@ -85,6 +85,13 @@ def test_a_layout_that_does_not_fit_says_so_loudly(capsys):
     assert main([*args, "--json"]) == 3
     doc = json.loads(capsys.readouterr().out)
     assert doc["fits"] is False and doc["peak_memory_bytes"] > doc["device_memory_bytes"] == 80e9
+    import dataclasses
+
+    hw = cluster(gpus=2)
+    peak = _sim(hw).peak_bytes
+    for memory, fits in ((peak * 1.01, True), (peak / 1.5, False)):
+        small = hw.replace(gpu=dataclasses.replace(hw.gpu, memory_bytes=memory))
+        assert _sim(small).fits is fits and _sim(small).summary()["fits"] is fits
 
 
 def test_mfu_convention_and_the_causal_count_beside_it():
