@@ -342,7 +342,7 @@ PROOFS: dict[str, tuple] = {
     "parallel.pp_virtual": (reads("train/engine.py"),
                             Refused({"parallel.pp_virtual": 2}, "needs parallel.pp > 1"),
                             Refused({"parallel.pp": 2, "parallel.pp_virtual": 2}, "needs pp_schedule='interleaved'")),
-    "parallel.pp_partition": (reads("train/engine.py"),
+    "parallel.pp_partition": (reads("parallel/pipeline/partition.py"),
                               Refused({"parallel.pp_partition": "flops"}, "but parallel.pp=1")),
     "parallel.pp_embedding_slot": (reads("parallel/pipeline/partition.py"),
                                    Refused({"parallel.pp_embedding_slot": True}, "but parallel.pp=1"),
