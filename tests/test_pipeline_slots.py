@@ -84,7 +84,7 @@ def test_slots_are_refused_where_they_would_do_nothing(tmp_path, cache_dir):
 def test_embedding_and_head_alone_in_their_chunks_train_like_one_process(tmp_path, cache_dir):
     """pp 2 x 2 chunks over 2 layers with both slots: rank 0 runs [embedding] and [block 1], rank 1 [block 0] and
     [head] -- losses, pre-clip gradient norms and weights as one process."""
-    common = {"model.n_layers": 2, "train.steps": 3}
+    common = {"model.n_layers": 2, "train.steps": 2}
     ref = run(tmp_path, cache_dir, "ref", 1, **common, **{"train.grad_accum": 4})
     pp = run(tmp_path, cache_dir, "pp", 2, **common, **{
         "parallel.pp": 2, "parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2,
