@@ -50,7 +50,7 @@ def test_pipeline_buckets_after_the_flush_and_tensor_parallel_collectives_inside
     flush = next(c for c in causes if c.axis == "dp" and "bucket" in c.what)
     assert flush.how == "tail" and "--overlap-grad-reduce" in flush.hidden_by
     assert flush.waited_by.startswith("'wait for gradients'")
-    sp = next(c for c in causes if c.what.startswith("sp all-gather inside every forward"))
+    sp = next(c for c in causes if c.what.startswith("sp all-gather inside every forward and backward"))
     assert sp.how == "inside" and "--tp-comm-overlap" in sp.hidden_by
     doc = res.summary()["exposed_causes"]
     assert json.dumps(doc) and {d["axis"] for d in doc} == set(res.exposed_s)

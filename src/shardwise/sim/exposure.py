@@ -335,16 +335,16 @@ def causes(res, rank: int | None = None) -> list[Cause]:
         pieces = exposed_pieces(res, rank)
     groups: dict[tuple, list[Exposed]] = {}
     for p in pieces:
-        key = (p.rank, p.axis, _template(p.name), p.how, _template(p.inside or "")[:1], p.hidden_by)
+        key = (p.rank, p.axis, _template(p.name), p.how, p.hidden_by)
         groups.setdefault(key, []).append(p)
     out = []
-    for (r, axis, _, how, _, hidden), ps in groups.items():
+    for (r, axis, _, how, hidden), ps in groups.items():
         names = [p.name for p in ps]
         what = names[0]
         if len(set(names)) > 1:
             what = _range(names)
         if how == "inside":
-            phases = sorted({(p.inside or "").split(" of ")[0] for p in ps})
+            phases = sorted({(p.inside or "").split(" of ")[0] for p in ps}, key=lambda x: x != "forward")
             what += f" inside every {' and '.join(phases)}" if len(ps) > 1 else f" inside the {ps[0].inside}"
         first = min(ps, key=lambda p: p.first_use)  # what the earliest of them holds up
         out.append(Cause(axis, what, len(ps), sum(p.seconds for p in ps), sum(p.nbytes for p in ps), how,
