@@ -50,7 +50,7 @@ def simulate_layouts(config: str | None, overrides: dict[str, str], layouts: lis
         out.append({"layout": lay.short(), "step_time_s": s["step_time_s"], "tokens_per_s": s["tokens_per_s"],
                     "mfu": s["mfu"], "bubble": s["bubble"], "exposed_comm_s": s["exposed_comm_s"],
                     "peak_memory_bytes": s["peak_memory_bytes"], "device_memory_bytes": s["device_memory_bytes"],
-                    "fits": s["fits"]})
+                    "fits": s["fits"], "exposed_causes": s["exposed_causes"]})
     return out
 
 
@@ -82,6 +82,7 @@ def rerank_lines(planned: list, simulated: list[dict]) -> list[str]:
         comm = ", ".join(f"{k} {v:.3g}" for k, v in sorted(s["exposed_comm_s"].items()))
         lines.append(f"{i:>2}  {s['layout']:<40} {c.time.step_time_s:>14.4g} {s['step_time_s']:>16.4g} "
                      f"{s['tokens_per_s']:>13,.0f} {s['mfu']:>7.1%} {bubble:>10}  {comm}")
+        lines += [f"      {axis} mostly: {cause}" for axis, cause in _largest_causes(s.get("exposed_causes", []))]
     rejected = [r for r in pairs if not r[1].get("fits")]
     for c, s in rejected:
         why = (f"not run by the engine: {s['error']}" if "error" in s else
@@ -89,6 +90,17 @@ def rerank_lines(planned: list, simulated: list[dict]) -> list[str]:
                f"{s['device_memory_bytes'] / 1e9:.0f} GB")
         lines.append(f" -  {s['layout']:<40} {c.time.step_time_s:>14.4g}  not proposed, {why}")
     return lines
+
+
+def _largest_causes(causes: list[dict]) -> list[tuple[str, str]]:
+    """Per axis, its largest exposed piece in a few words and the overlap that would hide it
+    (:mod:`shardwise.sim.exposure`)."""
+    out: dict[str, dict] = {}
+    for c in causes:
+        if c["axis"] not in out or c["exposed_s"] > out[c["axis"]]["exposed_s"]:
+            out[c["axis"]] = c
+    return [(axis, f"{c['exposed_s']:.3g} s {c['what']} -> {(c['hidden_by'] or '').split(':')[0]}")
+            for axis, c in sorted(out.items(), key=lambda kv: -kv[1]["exposed_s"]) if c["exposed_s"] > 0]
 
 
 def simulated_for_run(cfg: Config, hw: SimHardware) -> dict[str, float]:
