@@ -20,11 +20,11 @@ tiles by the batch. The product still cannot beat the memory roofline (its opera
 device memory), which :class:`shardwise.sim.compute.Roofline` applies on top.
 
 Against measured H100 products (XLA's default GEMM performance table for sm_90, bf16,
-``xla/service/gpu/model/matmul_interpolator_data.h``, 29 shapes from 256 to 4,096 per dimension) this gives a
+``xla/service/gpu/model/matmul_interpolator_data.h``, 29 of its shapes, 256 to 4,096 per dimension) this gives a
 mean absolute error of 14 % (12 % where every dimension is at least 1,024), a single efficiency of 0.70 for
-every shape 34 % (20 %). Stated plainly: the three-tile set was chosen over a single 128 x 256 tile (19 %) after
-that comparison, so the table is a check of the model's form, not a held-out test of the tile set; no constant
-was fitted to it. Not modelled: split-K and stream-K schedules for short, wide products, the persistent kernels'
+every shape 34 % (20 %). Stated plainly: the three tiles were chosen over the 128 x 256 tile in its two
+orientations alone (19 %) after that comparison, so the table checks the model's form, not the tile set as a
+held-out test; no constant was fitted to it. Not modelled: split-K and stream-K schedules for short, wide products, the persistent kernels'
 overlap of one tile's epilogue with the next tile's loop, and clocks that boost on short kernels.
 """
 
