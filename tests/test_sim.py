@@ -245,6 +245,7 @@ def test_plan_simulate_top(capsys):
                  "--json"], {"model.preset": "gpt2-124m", "train.global_batch": "64", "parallel.tp": "1"})
     doc = json.loads(capsys.readouterr().out)
     assert code == 0 and all(entry["simulated"]["step_time_s"] > 0 for entry in doc["layouts"])
+    assert all(entry["simulated"]["fits"] and "exposed_causes" in entry["simulated"] for entry in doc["layouts"])
 
 
 @pytest.mark.parametrize("row", ["1.7", "18.4", "39.1"])

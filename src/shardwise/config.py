@@ -385,6 +385,13 @@ class ParallelConfig:
     pp_partition: str = "params"
     """With pp > 1: how blocks are split into stages: "even", "params" or "flops" (balanced by that
     cost, embedding and head included), or the first block of every stage after the first ("2,5")."""
+    pp_embedding_slot: bool = False
+    """With pp_partition = "even": the embedding takes one block's place in the split, so the first stage
+    holds one block fewer (Megatron-LM's --account-for-embedding-in-pipeline-split; Llama 3 §3.3.2); a stage
+    may then hold the embedding alone. E.g. 126 layers on pp 16 with both slots: 8 places per stage."""
+    pp_head_slot: bool = False
+    """With pp_partition = "even": the output layer and loss take one block's place on the last stage
+    (Megatron-LM's --account-for-loss-in-pipeline-split; Llama 3 §3.3.2)."""
     sequence_parallel: bool = False
     """With tp > 1: also split the sequence over the tensor-parallel ranks outside the attention and MLP regions
     (norms, dropout, residuals; Korthikanti et al. 2022 §4.2.2): f and g become all-gather and reduce-scatter."""

@@ -27,7 +27,8 @@ from shardwise.plan.spec import OFFLOAD, RECOMPUTE, model_spec, resolved_model, 
 LAYOUT_KEYS = {
     "parallel.dp": "dp", "parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.ep": "ep",
     "parallel.zero": "zero", "parallel.offload": "offload", "parallel.sequence_parallel": "sequence_parallel",
-    "parallel.pp_virtual": "pp_virtual", "train.micro_batch": "micro_batch", "train.grad_accum": "grad_accum",
+    "parallel.pp_virtual": "pp_virtual", "parallel.pp_embedding_slot": "pp_embedding_slot",
+    "parallel.pp_head_slot": "pp_head_slot", "train.micro_batch": "micro_batch", "train.grad_accum": "grad_accum",
     "parallel.microbatches": "grad_accum", "train.recompute": "recompute",
 }
 
@@ -223,11 +224,11 @@ def _run(args, overrides: dict[str, str]) -> int:
     lines = _text(doc, result, args, unfit)
     if args.simulate_top > 0 and result.ranked:
         from shardwise.sim.hardware import build_hardware
-        from shardwise.sim.planning import rerank_lines, simulate_layouts
+        from shardwise.sim.planning import rerank_lines, simulate_best
 
-        top = result.ranked[:args.simulate_top]
         hw = build_hardware(args.gpu, nodes, gpn, args.hardware)
-        simulated = simulate_layouts(args.config, overrides, [c.layout for c in top], hw, cfg.parallel.pp_schedule)
+        top, simulated = simulate_best(args.config, overrides, result.ranked, hw, args.simulate_top,
+                                       cfg.parallel.pp_schedule)
         for entry, sim in zip(doc["layouts"], simulated, strict=False):
             entry["simulated"] = sim
         lines += [""] + rerank_lines(top, simulated)

@@ -48,6 +48,7 @@ from shardwise.dist.comm.cost import Cost, cost
 from shardwise.plan.hardware import Cluster
 from shardwise.plan.memory import StateDtypes, params_per_rank
 from shardwise.plan.spec import Layout, ModelSpec
+from shardwise.plan.tensors import stage_blocks
 from shardwise.plan.zero_layout import ZeroUnits
 
 AXIS_STRIDE_ORDER = ("tp", "cp", "dp", "pp")
@@ -243,8 +244,8 @@ def comm_items(m: ModelSpec, lay: Layout, s: int, states: StateDtypes, cluster: 
             add("ZeRO-3 grads", "reduce-scatter", group, psi * b["grads"], mb, stride, "backward", zero_algorithm)
     s_local = s // lay.cp
     act = lay.micro_batch * s_local * m.d_model * act_bytes
-    layers = m.n_layers // lay.pp
-    moe_layers = m.moe_blocks // lay.pp
+    layers = stage_blocks(m, lay)  # the busiest pipeline rank's blocks (the trainer's even split)
+    moe_layers = m.moe_blocks * layers // m.n_layers
     fwd_passes = 2 if lay.recompute == "full" else 1
     if lay.tp > 1:
         per_pass = (2 * layers - moe_layers) * mb  # attention and dense MLPs; a MoE block is whole on every tp rank

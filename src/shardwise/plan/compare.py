@@ -135,7 +135,7 @@ def _rank0_blocks(cfg: Config) -> set[int]:
     p = cfg.parallel
     if p.pp == 1:
         return set(range(cfg.model.n_layers))
-    split = even_stage_blocks(cfg.model.n_layers, p.pp * p.pp_virtual)
+    split = even_stage_blocks(cfg.model.n_layers, p.pp * p.pp_virtual, p.pp_embedding_slot, p.pp_head_slot)
     return {b for c in range(p.pp_virtual) for b in split[c * p.pp]}
 
 

@@ -22,6 +22,7 @@ output and the fp32 log-sum-exp -- ``O(s / cp)``: the per-rank activation memory
 from __future__ import annotations
 
 from shardwise.plan.spec import Layout, ModelSpec
+from shardwise.plan.tensors import rank_blocks
 
 FP32, INT64 = 4, 8
 
@@ -32,7 +33,7 @@ def local_heads(m: ModelSpec, tp: int) -> tuple[int, int]:
 
 
 def _layers_on_rank0(m: ModelSpec, lay: Layout, layers: int | None) -> int:
-    return layers if layers is not None else m.n_layers // lay.pp
+    return layers if layers is not None else rank_blocks(m, lay, 0)
 
 
 def cp_sent_bytes(m: ModelSpec, lay: Layout, s: int, algorithm: str = "ring", act_bytes: int = FP32,

@@ -40,6 +40,7 @@ from shardwise.plan.params import (
     shared_params,
 )
 from shardwise.plan.spec import Layout, ModelSpec
+from shardwise.plan.tensors import rank_blocks, stage_blocks
 from shardwise.plan.zero_layout import (
     ParamEntry,
     ZeroUnits,
@@ -189,7 +190,6 @@ def params_per_rank(m: ModelSpec, lay: Layout) -> tuple[float, float]:
     position) embedding; the last the final norm and the head (and, tied with pp > 1, a copy of the
     embedding, as Megatron does, §3 of Narayanan et al. 2021)."""
     t, h = lay.tp, m.d_model
-    layers = m.n_layers / lay.pp
     norm = norm_params(m)
     attn_rep = h if m.flavor in ("gpt2", "bert") else 0  # o_proj bias is replicated
     if m.kv_lora_rank:  # latent attention's down-projections and their norms are whole on every tp rank
@@ -214,8 +214,12 @@ def params_per_rank(m: ModelSpec, lay: Layout) -> tuple[float, float]:
     head = rows * h
     first = emb + (0 if lay.pp > 1 else norm + (0 if m.tie_embeddings else head))
     last = norm + (head if (lay.pp > 1 or not m.tie_embeddings) else 0)
-    extra = first if lay.pp == 1 else max(first, last)
-    return layers * dense_block + extra, layers * experts
+    if lay.pp == 1:
+        return m.n_layers * dense_block + first, m.n_layers * experts
+    last_rank = (lay.pp * lay.pp_virtual - 1) % lay.pp
+    ranks = [(rank_blocks(m, lay, r), first * (r == 0) + last * (r == last_rank)) for r in range(lay.pp)]
+    blocks, extra = max(ranks, key=lambda b: b[0] * dense_block + b[1])  # the busiest pipeline rank
+    return blocks * dense_block + extra, blocks * experts
 
 
 def hpz_of(lay: Layout, zero_hpz: int = 1) -> int:
@@ -403,7 +407,7 @@ def activation_lines(m: ModelSpec, lay: Layout, s: int, out: MemoryBreakdown, at
     b = lay.micro_batch
     per_layer = activation_bytes_per_layer(m, s_local, b, lay.tp, lay.sequence_parallel, lay.recompute, attention,
                                            mode=mode)
-    layers = m.n_layers / lay.pp
+    layers = stage_blocks(m, lay)  # the busiest pipeline rank's (the trainer's even split)
     in_flight = min(lay.pp, lay.grad_accum) if lay.pp > 1 else 1
     interleave = 1 + (lay.pp - 1) / (lay.pp * lay.pp_virtual) if lay.pp_virtual > 1 else 1.0
     total = per_layer * layers * in_flight * interleave

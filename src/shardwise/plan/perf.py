@@ -1,6 +1,7 @@
 """Step time, throughput, MFU and training time of a layout on a cluster.
 
-  compute      = hardware FLOPs per rank / (peak · efficiency)
+  compute      = hardware FLOPs per rank / (peak · efficiency), on the busiest pipeline rank: times its
+                 blocks over L/p where the layers do not split evenly (the slowest stage sets the pace)
   bubble       = (p−1)/v micro-batch times: the bubble fraction (p−1)/(v·m) of Narayanan et al.
                  2021, §2.2 (1F1B) and §2.2.2 (interleaved)
   exposed comm = tensor/pipeline/expert parallel in full; data-parallel gradient reduction
@@ -24,6 +25,7 @@ from shardwise.plan.flops import attention_flops_per_token, flops_per_token
 from shardwise.plan.hardware import Cluster
 from shardwise.plan.memory import StateDtypes, params_per_rank
 from shardwise.plan.spec import Layout, ModelSpec
+from shardwise.plan.tensors import stage_blocks
 from shardwise.plan.zero_layout import ZeroUnits
 
 PCIE_BW = 25e9
@@ -70,6 +72,8 @@ def step_time(m: ModelSpec, lay: Layout, s: int, cluster: Cluster, states: State
     model_fpt = flops_per_token(m, s, lay.recompute, "model")
     hw_fpt = flops_per_token(m, s, lay.recompute, "hardware")
     compute = hw_fpt * tokens / lay.world / (peak * cluster.efficiency)
+    if lay.pp > 1:  # an uneven split: the busiest rank's blocks set the pace
+        compute *= stage_blocks(m, lay) * lay.pp / m.n_layers
     per_micro = compute / lay.grad_accum
     bubble = (lay.pp - 1) / lay.pp_virtual * per_micro if lay.pp > 1 else 0.0
     items = comm_items(m, lay, s, states, cluster, act_bytes, units)

@@ -2,12 +2,13 @@
 drop what violates divisibility or does not fit; rank the rest by predicted tokens/s.
 
 Constraints follow Megatron-LM's (Narayanan et al. 2021 §3.3, "Takeaways"): tensor parallelism
-within a node and dividing the heads; pipeline stages dividing the layers; expert parallelism dividing
-the experts and dp·cp (the trainer's own rule, :func:`shardwise.parallel.expert.checks.expert_parallel_error`).
-ZeRO-2/3 inside a pipeline is searched too (DeepSpeed allows only ZeRO-1 there; torchtitan composes FSDP with
-every schedule): its memory lines hold the stage's unsharded gradients and, ZeRO-3, its gathered parameters
-until the flush (:func:`~shardwise.plan.memory.pipeline_flush_lines`), so it wins only where the optimizer's
-states dominate.
+within a node and dividing the heads; pipeline stages at most the layers (the trainer's uneven even split,
+:func:`~shardwise.parallel.pipeline.checks.even_stage_sizes`: nothing has to divide); expert parallelism dividing
+the experts and dp·cp (the trainer's own rule,
+:func:`shardwise.parallel.expert.checks.expert_parallel_error`). ZeRO-2/3 inside a pipeline is searched too
+(DeepSpeed allows only ZeRO-1 there; torchtitan composes FSDP with every schedule): its memory lines hold the stage's
+unsharded gradients and, ZeRO-3, its gathered parameters until the flush (:func:`~shardwise.plan.memory.
+pipeline_flush_lines`), so it wins only where the optimizer's states dominate.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from shardwise.parallel.expert.checks import expert_parallel_error
+from shardwise.parallel.pipeline.checks import check_stages
 from shardwise.plan.hardware import Cluster
 from shardwise.plan.memory import (
     MemoryBreakdown,
@@ -87,8 +89,10 @@ def check(m: ModelSpec, lay: Layout, s: int, cluster: Cluster) -> str | None:
         return "tp larger than a node"
     if m.d_ff % lay.tp:
         return "tp does not divide d_ff"
-    if m.n_layers % (lay.pp * lay.pp_virtual):
-        return "pp·pp_virtual does not divide the layers"
+    try:  # the trainer's rule: every stage a block (or the embedding's / head's slot); nothing has to divide
+        check_stages(m.n_layers, lay.pp * lay.pp_virtual, int(lay.pp_embedding_slot) + int(lay.pp_head_slot))
+    except ValueError:
+        return "more pipeline stages (pp·pp_virtual) than layers and slots"
     if s % lay.cp or (lay.cp > 1 and (s // lay.cp) % 2):
         return "cp does not divide the sequence (in even chunks)"
     if expert_parallel_error(lay.dp, lay.cp, lay.ep, m.n_experts):  # the trainer's own rule
@@ -155,7 +159,9 @@ def search(m: ModelSpec, s: int, cluster: Cluster, fixed: dict, global_batch: in
                                         lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
                                                      offload=fixed.get("offload", "none"), micro_batch=mb,
                                                      grad_accum=ga, recompute=rc, sequence_parallel=sp,
-                                                     pp_virtual=fixed.get("pp_virtual", 1))
+                                                     pp_virtual=fixed.get("pp_virtual", 1),
+                                                     pp_embedding_slot=fixed.get("pp_embedding_slot", False),
+                                                     pp_head_slot=fixed.get("pp_head_slot", False))
                                         result.considered += 1
                                         why = check(m, lay, s, cluster)
                                         if why:

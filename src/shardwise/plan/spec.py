@@ -122,6 +122,10 @@ class Layout:
     recompute: str = "none"
     sequence_parallel: bool = False
     pp_virtual: int = 1
+    pp_embedding_slot: bool = False
+    """The embedding takes a block's place in the even pipeline split (``parallel.pp_embedding_slot``)."""
+    pp_head_slot: bool = False
+    """The head takes a block's place on the last stage (``parallel.pp_head_slot``)."""
 
     @property
     def world(self) -> int:

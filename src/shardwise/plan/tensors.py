@@ -36,7 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.plan.spec import ModelSpec
+from shardwise.parallel.pipeline.checks import even_stage_sizes
+from shardwise.plan.spec import Layout, ModelSpec
 
 SPLITS = ("vocab", "column", "column_kv", "row", "whole")
 
@@ -143,14 +144,28 @@ def model_params(m: ModelSpec) -> list[ParamEntry]:
     return out
 
 
-def even_stage_blocks(n_layers: int, stages: int) -> list[range]:
+def even_stage_blocks(n_layers: int, stages: int, embedding_slot: bool = False,
+                      head_slot: bool = False) -> list[range]:
     """The blocks of each of ``stages`` pipeline stages split evenly (GPipe, Huang et al. 2019 §2.1: K
-    contiguous cells), the first ``n_layers % stages`` one block longer. What the planner assumes for
-    every ``parallel.pp_partition``: a partition balanced by parameters or FLOPs can differ from it."""
-    base, extra = divmod(n_layers, stages)
+    contiguous cells), the first stages one block longer, the embedding / head taking a block's place with
+    their slots: the rule the trainer uses (:func:`shardwise.parallel.pipeline.checks.even_stage_sizes`, a
+    function of the config alone). What the planner assumes for every ``parallel.pp_partition``: a partition
+    balanced by parameters or FLOPs can differ from it."""
     out, start = [], 0
-    for s in range(stages):
-        n = base + (s < extra)
+    for n in even_stage_sizes(n_layers, stages, embedding_slot, head_slot):
         out.append(range(start, start + n))
         start += n
     return out
+
+
+def rank_blocks(m: ModelSpec, lay: Layout, rank: int) -> int:
+    """Blocks pipeline rank ``rank`` holds over its ``pp_virtual`` chunks under the even split."""
+    if lay.pp == 1:
+        return m.n_layers
+    sizes = even_stage_sizes(m.n_layers, lay.pp * lay.pp_virtual, lay.pp_embedding_slot, lay.pp_head_slot)
+    return sum(sizes[c * lay.pp + rank] for c in range(lay.pp_virtual))
+
+
+def stage_blocks(m: ModelSpec, lay: Layout) -> int:
+    """The most blocks one pipeline rank holds (the busiest stage sets the memory and the pace)."""
+    return max(rank_blocks(m, lay, r) for r in range(lay.pp))

@@ -13,6 +13,9 @@ from pathlib import Path
 from shardwise.config import ConfigError
 
 SIM_FLAGS = ("sim.",)
+DOES_NOT_FIT = 3
+"""Exit status when a rank's simulated peak memory exceeds the device's (the summary says so, ``--json`` has
+``"fits": false``)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +89,7 @@ def main(argv: list[str], overrides: dict[str, str]) -> int:
         for path in (args.trace, args.plot):
             if path:
                 print(f"wrote {path}")
-    return 0
+    return 0 if res.fits else DOES_NOT_FIT
 
 
 def _hardware_doc(hw) -> dict:

@@ -9,6 +9,10 @@ Patterson 2009, "Roofline", CACM 52(4)):
 
     t = max(FLOPs / (peak * matmul_efficiency), bytes / (HBM * memory_efficiency)) + kernel_overhead
 
+where, on a GPU with a known number of SMs (``sim.sms``), a matrix product's compute time comes from its shape
+instead: tiles, waves and epilogue (:mod:`shardwise.sim.matmul`), so that small products run below
+``matmul_efficiency`` as the real kernels do.
+
 The attention core (scores, softmax, weighted sum) is traced too, as the eager reference of
 ``scaled_dot_product_attention`` computes it; with ``attention = "flash"`` it is costed as the fused kernel
 instead (Dao et al. 2022, "FlashAttention", §3: O(s) memory traffic -- q, k, v, o and the log-sum-exp --
@@ -33,6 +37,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.sim.hardware import SimHardware
+from shardwise.sim.matmul import matmul_seconds
 
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
 FUSED_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu",
@@ -50,6 +55,8 @@ class Op:
     flops: float
     bytes: float
     weight_grad: bool = False
+    shape: tuple[int, int, int, int] | None = None
+    """``(batch, m, n, k)`` of a matrix product ``(m x k) @ (k x n)``; None for every other operator."""
 
 
 @dataclass(frozen=True)
@@ -81,9 +88,11 @@ class _Recorder(TorchDispatchMode):
         nbytes = sum(t.numel() * 4 for t in tensors + outs)
         flops = 0.0
         name = func._opname
+        shape = None
         if name in MATMULS:
             a, b = (tensors[-2], tensors[-1]) if name != "_grouped_mm" else (tensors[0], tensors[1])
             flops = 2.0 * a.numel() * b.shape[-1]
+            shape = _matmul_shape(name, a, b)
         elif name in FUSED_ATTENTION:
             backward = name.endswith("_backward")
             q, k = (args[1], args[2]) if backward else (args[0], args[1])
@@ -92,8 +101,18 @@ class _Recorder(TorchDispatchMode):
             flops = 4.0 * q.numel() * k.shape[-2] * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
         wgrad = self.backward and bool(outs) and (tuple(outs[0].shape) in self.weight_shapes) and \
             (name in MATMULS or name == "sum")
-        self.ops.append(Op(name, flops, float(nbytes), wgrad))
+        self.ops.append(Op(name, flops, float(nbytes), wgrad, shape))
         return out
+
+
+def _matmul_shape(name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(batch, m, n, k)``: ``mm``/``addmm`` one product, ``bmm``/``baddbmm`` a batch, ``_grouped_mm`` the experts'
+    products (rows split evenly over the experts)."""
+    if name == "_grouped_mm" and b.dim() == 3:
+        groups = b.shape[0]
+        return groups, max(1, -(-a.shape[0] // groups)), b.shape[-1], b.shape[-2]
+    batch = a.numel() // (a.shape[-2] * a.shape[-1]) if a.dim() > 2 else 1
+    return batch, a.shape[-2], b.shape[-1], a.shape[-1]
 
 
 def trace(fn, inputs: list[torch.Tensor], params: list[nn.Parameter]) -> Trace:
@@ -167,17 +186,23 @@ class Roofline:
         self.scale = (4.0 if precision == "fp32" else 2.0) / 4.0
         """Bytes in the compute dtype per traced (fp32) byte."""
 
-    def seconds(self, flops: float, nbytes: float, efficiency: float | None = None) -> float:
-        """Roofline time of one kernel of ``flops`` moving ``nbytes`` (traced fp32 bytes)."""
+    def seconds(self, flops: float, nbytes: float, efficiency: float | None = None,
+                shape: tuple[int, int, int, int] | None = None) -> float:
+        """Roofline time of one kernel of ``flops`` moving ``nbytes`` (traced fp32 bytes); a matrix product of
+        ``shape`` on a GPU with SMs takes its tile model's compute time (:mod:`shardwise.sim.matmul`)."""
         hw = self.hw
-        compute = flops / (self.peak * (efficiency or hw.matmul_efficiency))
+        if shape is not None and hw.sms > 0 and efficiency is None:
+            compute = matmul_seconds(*shape, self.peak, hw.sms, hw.matmul_efficiency, 4.0 * self.scale, hw.hbm_bw)
+        else:
+            compute = flops / (self.peak * (efficiency or hw.matmul_efficiency))
         memory = nbytes * self.scale / (hw.hbm_bw * hw.memory_efficiency)
         return max(compute, memory) + hw.kernel_overhead
 
     def pass_cost(self, ops) -> PassCost:
         out = PassCost()
         for op in ops:
-            t = self.seconds(op.flops, op.bytes, self.hw.attention_efficiency if op.name in FUSED_ATTENTION else None)
+            t = self.seconds(op.flops, op.bytes, self.hw.attention_efficiency if op.name in FUSED_ATTENTION else None,
+                             op.shape)
             out.seconds += t
             out.flops += op.flops
             if op.weight_grad:

@@ -9,7 +9,12 @@ The GPU's peak FLOP/s, memory, NVLink and NIC bandwidths and latencies come from
 
 ==========================  ===========================================================================
 ``hbm_gbps``                device memory bandwidth, GB/s (default: the data sheet of the built-in GPU)
-``matmul_efficiency``       fraction of peak FLOP/s a matrix multiplication reaches (default 0.70)
+``matmul_efficiency``       fraction of peak FLOP/s a matrix multiplication reaches when its tiles fill every SM
+                            (default: the GPU's measured maximum achievable matmul FLOP/s, :data:`MAMF`; 0.70
+                            for a GPU without one); with ``sms`` > 0 the tile model scales it per shape
+``sms``                     streaming multiprocessors of the GPU (default: the data sheet's, :data:`SMS`; 0 =
+                            no tile model: every matrix product at ``matmul_efficiency``), see
+                            :mod:`shardwise.sim.matmul`
 ``attention_efficiency``    fraction of peak a fused (flash) attention kernel reaches (default 0.50:
                             FlashAttention-2 reaches 50-73 % of an A100's peak forward, Dao 2023, abstract)
 ``memory_efficiency``       fraction of ``hbm_gbps`` a memory-bound kernel reaches (default 0.80)
@@ -80,14 +85,25 @@ HBM_GBPS = {"V100": 900.0, "A100-40GB": 1555.0, "A100-80GB": 2039.0, "H100": 335
 """Device memory bandwidth of the built-in GPUs, GB/s (the vendors' data sheets: V100 SXM2, A100 SXM4 40 and
 80 GB, H100 SXM5, H200 SXM, HGX B200)."""
 
+SMS = {"V100": 80, "A100-40GB": 108, "A100-80GB": 108, "H100": 132, "H200": 132, "B200": 148}
+"""Streaming multiprocessors of the built-in GPUs (NVIDIA's Volta, Ampere and Hopper architecture whitepapers:
+V100 SXM2 80, A100 108, H100 SXM5 132 (H200: the same GH100 die); the Blackwell datasheet's B200: 148)."""
+
+MAMF = {"A100-40GB": 0.869, "A100-80GB": 0.869, "H100": 0.803, "H200": 0.803, "B200": 0.776}
+"""Maximum achievable matmul FLOP/s over the data sheet's peak, bf16, measured by a brute-force search over shapes
+(S. Bekman, "Machine Learning Engineering", compute/accelerator, "Maximum Achievable Matmul FLOPS comparison
+table": A100 SXM 271.2 of 312 TFLOP/s, H100 SXM 794.5 of 989 ("H200 is the same"), B200 SXM 1745 of 2250): the
+rate of a matrix product whose tiles fill every SM, the tile model's ``matmul_efficiency``."""
+
 NATIVE_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 """The backend's collectives a ``[sim.native_collectives]`` table may hold a line for."""
 NATIVE_KEYS = {"alpha_us": True, "gbps": True, "max_error": False}
 """The fields of one line, and whether each is required."""
 
 FIELDS = {
-    "hbm_gbps": float, "matmul_efficiency": float, "attention_efficiency": float, "memory_efficiency": float,
-    "kernel_overhead_us": float, "step_overhead_ms": float, "call_latency_us": float, "attention": str,
+    "hbm_gbps": float, "sms": int, "matmul_efficiency": float, "attention_efficiency": float,
+    "memory_efficiency": float, "kernel_overhead_us": float, "step_overhead_ms": float, "call_latency_us": float,
+    "attention": str,
     "backend": str, "overlap": bool, "network_overlap": bool, "nic_gbit": float, "nics_per_node": int,
     "leaf_nodes": int, "oversubscription": float,
     "node_bus_gbps": float, "pcie_gbps": float, "host_gbps": float, "nvme_gbps": float,
@@ -121,6 +137,8 @@ class SimHardware:
     hbm_bw: float
     """Bytes/s."""
     matmul_efficiency: float = 0.70
+    sms: int = 0
+    """Streaming multiprocessors (0: no tile model, :mod:`shardwise.sim.matmul`)."""
     attention_efficiency: float = 0.50
     memory_efficiency: float = 0.80
     kernel_overhead: float = 0.0
@@ -239,7 +257,8 @@ def build_hardware(gpu_name: str, nodes: int, gpus_per_node: int, path: str | Pa
         raise ConfigError(f"GPU {gpu.name!r} has no memory bandwidth in the catalogue; set sim.hbm_gbps in --hardware")
     hw = SimHardware(
         gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, hbm_bw=hbm * GB,
-        matmul_efficiency=t.get("matmul_efficiency", 0.70), attention_efficiency=t.get("attention_efficiency", 0.50),
+        matmul_efficiency=t.get("matmul_efficiency", MAMF.get(gpu.name, 0.70)), sms=t.get("sms", SMS.get(gpu.name, 0)),
+        attention_efficiency=t.get("attention_efficiency", 0.50),
         memory_efficiency=t.get("memory_efficiency", 0.80), kernel_overhead=t.get("kernel_overhead_us", 0.0) * 1e-6,
         step_overhead=t.get("step_overhead_ms", 0.0) * 1e-3, call_latency=t.get("call_latency_us", 0.0) * 1e-6,
         attention=t.get("attention", "flash"), backend=t.get("backend", "nccl"), overlap=t.get("overlap", True),
@@ -260,6 +279,8 @@ def check(hw: SimHardware) -> None:
     for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
         if not 0 < getattr(hw, name) <= 1:
             raise ConfigError(f"sim.{name}={getattr(hw, name)} must be in (0, 1]")
+    if hw.sms < 0:
+        raise ConfigError(f"sim.sms={hw.sms} must be >= 0 (0: no tile model)")
     if hw.attention not in ("flash", "eager"):
         raise ConfigError(f"sim.attention={hw.attention!r} is not valid; use 'flash' or 'eager'")
     if hw.backend not in ("nccl", "gloo"):

@@ -20,7 +20,9 @@ The rounds are those of the algorithm the run uses, as :mod:`shardwise.dist.comm
 host (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009): ring all-reduce 2(N-1) rounds of S/N;
 ring reduce-scatter / all-gather N-1 rounds of S/N; a two-level all-reduce (reduce-scatter inside each node,
 all-reduce across nodes, all-gather inside; Jia et al. 2018 §4.2) where cheaper, as NCCL's tuner or
-:meth:`~shardwise.dist.comm.cost.CostModel.choose` would pick it; pairwise exchanges (gloo ZeRO, all N-1
+:meth:`~shardwise.dist.comm.cost.CostModel.choose` would pick it, and the two-level reduce-scatter / all-gather
+made of its first / last two phases (a flat ring crosses each node boundary on one NIC, NCCL's channels on all of
+them); pairwise exchanges (gloo ZeRO, all N-1
 blocks at once) and all-to-all (every pair at once); point-to-point sends. Equal messages make a round's
 time linear in its bytes, so each distinct round is solved once per byte and cached.
 """
@@ -164,6 +166,8 @@ class Fabric:
         steps = 2 * (n - 1) if collective == "all-reduce" else n - 1
         if algorithm == "hierarchical" and collective == "all-reduce":
             return self._two_level(gs)
+        if algorithm == "hierarchical" and collective in ("reduce-scatter", "all-gather"):
+            return self._two_level_half(gs)
         return [Round(ring[0].ravel(), ring[1].ravel(), 1.0 / n, steps)]
 
     def _two_level(self, gs: np.ndarray) -> list[Round]:
@@ -182,6 +186,17 @@ class Fabric:
             out.append(Round(*inside, 1.0 / local, local - 1))
         return out
 
+    def _two_level_half(self, gs: np.ndarray) -> list[Round]:
+        """A reduce-scatter (all-gather) in two levels: inside each node over the whole buffer, then across the
+        nodes over the node-local piece (all-gather: the same rounds in the other order) -- the first (last) two
+        phases of :meth:`_two_level`; the rounds across nodes run on every rail at once, as NCCL's channels
+        spread a ring's node crossings over the node's NICs."""
+        two = self._two_level(gs)
+        if len(two) == 1:  # one rank per node: a ring across the nodes
+            return [Round(two[0].src, two[0].dst, two[0].share, two[0].repeat // 2)]
+        inside, across, _ = two
+        return [inside, Round(across.src, across.dst, across.share, across.repeat // 2)]
+
     def two_level_possible(self, groups: Sequence[Sequence[int]]) -> bool:
         """Whether a group spans several nodes with the same number (> 1) of its ranks on each."""
         g = self.hw.gpus_per_node
@@ -194,7 +209,8 @@ class Fabric:
              algorithm: str | None = None, native: bool = False) -> tuple[float, str]:
         """``(seconds, algorithm)`` of one call moving ``nbytes`` (the vector of an all-reduce, the whole
         buffer of a gather / scatter / all-to-all, the message of a send), with every group at once; the
-        hardware's per-call latency included. All-reduce: the cheaper of ring and two-level.
+        hardware's per-call latency included. All-reduce, reduce-scatter and all-gather: the cheaper of ring and
+        two-level.
 
         ``native``: the engine hands this call to the backend's own collective. If the hardware holds a
         measured line for it and the group size (``[sim.native_collectives]``, see
@@ -207,7 +223,7 @@ class Fabric:
             return line.seconds(nbytes), "native"
         if algorithm is None:
             algorithm = "ring"
-            if collective == "all-reduce" and self.two_level_possible(groups):
+            if collective in ("all-reduce", "reduce-scatter", "all-gather") and self.two_level_possible(groups):
                 ring = self._seconds(self.rounds(collective, groups, "ring"), nbytes)
                 two = self._seconds(self.rounds(collective, groups, "hierarchical"), nbytes)
                 return self.hw.call_latency + min(ring, two), "ring" if ring <= two else "hierarchical"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shardwise.sim import exposure
 from shardwise.sim.simulate import SimResult
 from shardwise.sim.tasks import COMPUTE
 
@@ -111,8 +112,8 @@ def plot(res: SimResult, path: str | Path, max_ranks: int = 8, title: str | None
     return path
 
 
-def text(res: SimResult, failures: dict | None = None) -> list[str]:
-    """The human summary."""
+def text(res: SimResult, failures: dict | None = None, max_ranks: int = 8) -> list[str]:
+    """The human summary: the step, where its exposed communication goes, memory (loudly when it does not fit)."""
     s = res.summary()
     lay = s["layout"]
     hw = res.hw
@@ -121,22 +122,53 @@ def text(res: SimResult, failures: dict | None = None) -> list[str]:
         layout += f" zero{lay['zero']}"
     if lay["pp_schedule"]:
         layout += f" {lay['pp_schedule']}" + (f" v{lay['pp_virtual']}" if lay["pp_virtual"] > 1 else "")
+    causal = f"; causal count 6N + 6·L·h·s: {res.mfu_causal:.1%}" if res.mfu_causal is not None else ""
     out = [f"{res.cfg.model.preset} on {hw.world} x {hw.gpu.name} ({hw.nodes} node(s) x {hw.gpus_per_node}): "
-           f"{layout}, {lay['microbatches']} micro-batch(es) of {lay['micro_batch']}",
-           f"step {res.step_time_s:.4g} s   {res.tokens_per_s:,.0f} tokens/s   MFU {res.mfu:.1%}"
-           + (f"   bubble {res.bubble:.1%}" if res.bubble is not None else ""),
-           "exposed communication (s, busiest rank): " + (", ".join(
-               f"{axis_name(k)} {v:.4g}" for k, v in sorted(_merged(s["exposed_comm_s"]).items())) or "none"),
-           f"peak memory per rank: {res.peak_bytes / 1e9:.2f} GB (of {hw.gpu.memory_bytes / 1e9:.0f} GB)"
-           + "".join(f"; rank {r.rank} {r.peak_bytes / 1e9:.2f}" for r in res.ranks[:8] if len(res.ranks) > 1),
-           f"simulated {s['simulated_tasks']} tasks of {res.graph.n_ranks} rank(s) standing for {hw.world} in "
-           f"{res.wall_s:.2f} s"]
+           f"{layout}, {lay['microbatches']} micro-batch(es) of {lay['micro_batch']}"]
+    if not res.fits:
+        out.append(_does_not_fit(res))
+    out += [f"step {res.step_time_s:.4g} s   {res.tokens_per_s:,.0f} tokens/s   MFU {res.mfu:.1%}"
+            + (f"   bubble {res.bubble:.1%}" if res.bubble is not None else ""),
+            f"  MFU counts PaLM's 6N + 12·L·h·s FLOPs per token (full attention, no recomputation){causal}",
+            "exposed communication (s, busiest rank): " + (", ".join(
+                f"{axis_name(k)} {v:.4g}" for k, v in sorted(_merged(s["exposed_comm_s"]).items())) or "none")]
+    out += exposure.text(res)
+    out += _memory_lines(res, max_ranks)
+    out.append(f"simulated {s['simulated_tasks']} tasks of {res.graph.n_ranks} rank(s) standing for {hw.world} in "
+               f"{res.wall_s:.2f} s")
     if failures:
         out += [f"failures: job MTBF {failures['job_mtbf_h']:.3g} h ({failures['mtbf_per_gpu_h']:.3g} h per GPU), "
                 f"checkpoint write {failures['checkpoint_write_s']:.3g} s, restart {failures['restart_s']:.3g} s",
                 f"  Young/Daly interval {failures['interval_s']:.4g} s -> ckpt.every = {failures['ckpt_every']} steps; "
                 f"expected goodput {failures['goodput']:.1%}"]
+    if not res.fits:
+        out.append(_does_not_fit(res))
     return out
+
+
+def _does_not_fit(res: SimResult) -> str:
+    worst = max(res.ranks, key=lambda r: r.peak_bytes)
+    return (f"!! DOES NOT FIT: pipeline rank {worst.rank} needs {worst.peak_bytes / 1e9:.1f} GB, the "
+            f"{res.hw.gpu.name} has {res.hw.gpu.memory_bytes / 1e9:.0f} GB -- this layout would run out of memory; "
+            "its step time is hypothetical")
+
+
+def _memory_lines(res: SimResult, max_ranks: int) -> list[str]:
+    """Peak memory, the busiest rank first; every simulated pipeline rank up to ``max_ranks``, then how many
+    are left out (each stands for its dp x cp x tp peers, alike)."""
+    hw, p = res.hw, res.cfg.parallel
+    alike = p.dp * p.cp * p.tp
+    line = f"peak memory per rank: {res.peak_bytes / 1e9:.2f} GB (of {hw.gpu.memory_bytes / 1e9:.0f} GB)"
+    if len(res.ranks) > 1:
+        shown = res.ranks[:max_ranks]
+        line += "; pipeline rank " + "; ".join(f"{r.rank} {r.peak_bytes / 1e9:.2f}" for r in shown)
+        left = len(res.ranks) - len(shown)
+        if left:
+            line += (f"; ... {left} more pipeline ranks not listed ({left * alike:,} ranks; --json lists every "
+                     "pipeline rank)")
+    if alike > 1:
+        line += f"; each pipeline rank stands for {alike:,} ranks alike (its dp x cp x tp peers)"
+    return [line]
 
 
 def _merged(exposed: dict[str, float]) -> dict[str, float]:

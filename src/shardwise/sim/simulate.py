@@ -20,6 +20,7 @@ from shardwise.config import Config
 from shardwise.config_resolve import resolve
 from shardwise.parallel.pipeline.schedules import B, F, W, compute_order
 from shardwise.plan.spec import resolved_model
+from shardwise.sim import exposure
 from shardwise.sim.costs import RankCosts
 from shardwise.sim.hardware import SimHardware
 from shardwise.sim.network import Fabric
@@ -40,6 +41,12 @@ def load_config(path: str | None, overrides: dict[str, str], hw: SimHardware) ->
     cfg = read_config(path, {**overrides, "parallel.nproc": str(hw.gpus_per_node), "parallel.nnodes": str(hw.nodes)})
     cfg.model = resolved_model(cfg)
     return resolve(cfg, weights=False)
+
+
+MFU_CONVENTION = ("PaLM (Chowdhery et al. 2022, App. B): 6N + 12·L·h·s FLOPs per token, full attention, "
+                  "recomputation not counted")
+"""How :attr:`SimResult.mfu` counts a token's FLOPs (the trainer's ``mfu``); ``mfu_causal`` counts 6·L·h·s for the
+attention scores and values instead (half of them skipped under a causal mask)."""
 
 
 @dataclass
@@ -70,6 +77,10 @@ class SimResult:
     graph: Graph
     algorithms: dict[str, str] = field(default_factory=dict)
     wall_s: float = 0.0
+    mfu_causal: float | None = None
+    """MFU counting half the attention scores (a causal mask's work); None for a bidirectional model."""
+    builder: StepBuilder | None = None
+    """What built the step (the ranks' parameters, buckets and units), for :mod:`shardwise.sim.exposure`."""
 
     @property
     def exposed_s(self) -> dict[str, float]:
@@ -84,19 +95,27 @@ class SimResult:
     def peak_bytes(self) -> float:
         return max(r.peak_bytes for r in self.ranks)
 
+    @property
+    def fits(self) -> bool:
+        """Whether every rank's peak memory fits in the device's memory."""
+        return self.peak_bytes <= self.hw.gpu.memory_bytes
+
     def summary(self) -> dict:
         p, t = self.cfg.parallel, self.cfg.train
         layout = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "etp": p.etp, "zero": p.zero,
                   "pp_schedule": p.pp_schedule if p.pp > 1 else None, "pp_virtual": p.pp_virtual,
                   "microbatches": t.grad_accum, "micro_batch": t.micro_batch}
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+                "mfu_convention": MFU_CONVENTION, "mfu_causal": self.mfu_causal,
                 "bubble": self.bubble, "exposed_comm_s": self.exposed_s, "peak_memory_bytes": self.peak_bytes,
+                "device_memory_bytes": self.hw.gpu.memory_bytes, "fits": self.fits,
                 "world": self.hw.world, "layout": layout,
                 "ranks": [{"rank": r.rank, "busy_s": r.busy_s, "exposed_comm_s": r.exposed_s,
                            "peak_memory_bytes": r.peak_bytes, "states_bytes": r.states_bytes,
                            "activation_bytes": r.activation_bytes, "transient_bytes": r.transient_bytes}
                           for r in self.ranks],
-                "algorithms": self.algorithms, "simulated_tasks": len(self.graph.tasks), "wall_s": self.wall_s}
+                "exposed_causes": exposure.to_json(self), "algorithms": self.algorithms,
+                "simulated_tasks": len(self.graph.tasks), "wall_s": self.wall_s}
 
 
 def simulate(cfg: Config, hw: SimHardware, moe_imbalance: float = 1.0) -> SimResult:
@@ -110,11 +129,14 @@ def simulate(cfg: Config, hw: SimHardware, moe_imbalance: float = 1.0) -> SimRes
     t = cfg.train
     tokens = t.global_batch * cfg.data.seq_len
     tps = tokens / step if step > 0 else float("inf")
-    mfu = training_flops_per_token(cfg.model, cfg.data.seq_len) * tps / (hw.world * hw.peak(t.precision))
+    per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
+    mfu = per_token * tps / (hw.world * hw.peak(t.precision))
+    m = cfg.model
+    causal = None if m.flavor == "bert" else mfu * (1 - 6.0 * m.n_layers * m.d_model * cfg.data.seq_len / per_token)
     ranks = [_rank_report(cfg, builder, costs, graph, r) for r in range(builder.pp)]
     bubble = _bubble(builder) if builder.pp > 1 else None
     return SimResult(cfg, hw, step, tps, mfu, bubble, ranks, graph, dict(builder.algorithms),
-                     time.perf_counter() - t0)
+                     time.perf_counter() - t0, causal, builder)
 
 
 def _bubble(builder: StepBuilder) -> float:
@@ -166,4 +188,4 @@ def _activation_peak(cfg: Config, builder: StepBuilder, costs: RankCosts, r: int
     return peak, transient + 2 * message  # a received activation and a received gradient in flight
 
 
-__all__ = ["SimResult", "RankReport", "load_config", "simulate", "COMPUTE"]
+__all__ = ["SimResult", "RankReport", "load_config", "simulate", "COMPUTE", "MFU_CONVENTION"]

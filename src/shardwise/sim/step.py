@@ -33,8 +33,7 @@ import numpy as np
 
 from shardwise.config import Config
 from shardwise.dist.mesh import ParallelDims
-from shardwise.parallel.pipeline.checks import pipeline_partition
-from shardwise.parallel.pipeline.partition import partition
+from shardwise.parallel.pipeline.partition import config_split
 from shardwise.parallel.pipeline.schedules import RECV_F, SEND_B, SEND_F, B, F, W, build_schedule
 from shardwise.sim.costs import RankCosts
 from shardwise.sim.layers import LayerComm
@@ -61,8 +60,7 @@ class StepBuilder:
         self.m = cfg.train.grad_accum
         self.per_stage = p.dp * p.cp * p.tp
         if p.pp > 1:
-            method, boundaries = pipeline_partition(p.pp_partition)
-            self.split = partition(cfg.model, p.pp * self.v, method, boundaries, seq_len=cfg.data.seq_len)
+            self.split = config_split(cfg)
         else:
             self.split = [range(cfg.model.n_layers)]
         model = meta_model(cfg)

@@ -49,9 +49,8 @@ from shardwise.parallel.grad_norm import clip_grad_norm_on_device
 from shardwise.parallel.materialize import materialize_parameters, reset_buffers
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import Pipeline, build_stage
-from shardwise.parallel.pipeline.checks import pipeline_partition
 from shardwise.parallel.pipeline.clip import tied_copies_elsewhere
-from shardwise.parallel.pipeline.partition import StageChunks, partition
+from shardwise.parallel.pipeline.partition import StageChunks, config_split
 from shardwise.parallel.tensor import state as tp_state
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces
@@ -145,8 +144,7 @@ class Engine:
         """Tensor / expert parallelism cut the part on the meta device; its pieces are allocated afterwards
         (:mod:`shardwise.parallel.materialize`), so no rank ever holds its whole stage."""
         if p.pp > 1:
-            method, boundaries = pipeline_partition(p.pp_partition)
-            self.split = partition(cfg.model, p.pp * p.pp_virtual, method, boundaries, seq_len=cfg.data.seq_len)
+            self.split = config_split(cfg)
             rank = self.mesh.rank("pp")
             stages = [c * p.pp + rank for c in range(p.pp_virtual)]
             device = torch.device("meta") if self._cut_on_meta else self.device

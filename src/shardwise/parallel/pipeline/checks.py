@@ -13,14 +13,43 @@ SCHEDULES = PP_SCHEDULES
 """The schedules :mod:`.schedules` builds."""
 
 
-def check_stages(n_layers: int, n_stages: int) -> None:
-    """Every stage needs at least one block."""
+def check_stages(n_layers: int, n_stages: int, slots: int = 0, pp: int | None = None) -> None:
+    """Every stage needs at least one block, or the embedding's or the head's slot (``slots`` of them, see
+    :func:`even_stage_sizes`). ``pp``: the pipeline ranks, so that a refusal names the real bound on
+    ``parallel.pp_virtual`` (``n_stages = pp * pp_virtual``)."""
     if n_stages < 1:
         raise ValueError(f"the number of pipeline stages must be >= 1, got {n_stages}")
-    if n_stages > n_layers:
-        raise ValueError(
-            f"{n_stages} pipeline stages (parallel.pp * parallel.pp_virtual) exceed model.n_layers={n_layers}; "
-            f"every stage needs at least one block: use at most {n_layers} stages")
+    places = n_layers + slots
+    if n_stages > places:
+        what = f"model.n_layers={n_layers}" + (f" + {slots} slot(s) for the embedding / head" if slots else "")
+        if pp is not None and n_stages != pp:
+            bound = (f"with parallel.pp={pp} use parallel.pp_virtual <= {places // pp}" if places >= pp else
+                     f"use parallel.pp <= {places} with parallel.pp_virtual=1")
+            raise ValueError(f"parallel.pp={pp} x parallel.pp_virtual={n_stages // pp} = {n_stages} pipeline "
+                             f"stages exceed {what}; every stage needs at least one block: {bound}")
+        raise ValueError(f"{n_stages} pipeline stages (parallel.pp * parallel.pp_virtual) exceed {what}; every "
+                         f"stage needs at least one block: use at most {places} stages")
+
+
+def even_stage_sizes(n_layers: int, n_stages: int, embedding_slot: bool = False,
+                     head_slot: bool = False) -> list[int]:
+    """The blocks of every stage of the even split -- the one rule the trainer, the planner and the simulator
+    share. The layers and the slots (the embedding's on the first stage with ``embedding_slot``, the head's on
+    the last with ``head_slot``: each takes a block's place, as Megatron-LM's account-for-embedding /
+    account-for-loss in its pipeline split; Llama 3, Dubey et al. 2024 §3.3.2, takes one layer from the first
+    and the last stage) are split as evenly as possible, the first ``places % n_stages`` stages one place more;
+    a stage may then hold its slot alone (no block). Any count of layers that leaves every stage a place is
+    valid: nothing has to divide."""
+    slots = int(embedding_slot) + int(head_slot)
+    check_stages(n_layers, n_stages, slots)
+    base, extra = divmod(n_layers + slots, n_stages)
+    sizes = [base + (1 if s < extra else 0) for s in range(n_stages)]
+    sizes[0] -= int(embedding_slot)
+    sizes[-1] -= int(head_slot)
+    if min(sizes) < 0:  # one stage holding both slots (n_stages == 1) has room for them and the blocks
+        raise ValueError(f"{n_stages} stage(s) cannot give the embedding and the head a slot each beside "
+                         f"{n_layers} layers")
+    return sizes
 
 
 def check_boundaries(n_layers: int, boundaries: Sequence[int]) -> list[int]:
@@ -61,10 +90,11 @@ def check_schedule(schedule: str, n_ranks: int, n_microbatches: int, n_chunks: i
 
 
 def check_pipeline(n_layers: int, pp: int, schedule: str, microbatches: int, global_batch: int,
-                   virtual: int = 1) -> None:
-    """Every pipeline check that needs no processes: stages vs layers, the schedule vs the micro-batch
-    count, the batch vs the micro-batch count. Meant for config validation before spawning."""
-    check_stages(n_layers, pp * virtual)
+                   virtual: int = 1, slots: int = 0) -> None:
+    """Every pipeline check that needs no processes: stages vs layers (and the embedding / head slots), the
+    schedule vs the micro-batch count, the batch vs the micro-batch count. Meant for config validation before
+    spawning."""
+    check_stages(n_layers, pp * virtual, slots, pp)
     check_schedule(schedule, pp, microbatches, virtual)
     if global_batch % microbatches:
         raise ValueError(f"a batch of {global_batch} sequences does not split into parallel.microbatches="
@@ -99,7 +129,7 @@ def check(cfg: Config) -> None:
                           "gather for hpZ to keep inside a node; use parallel.zero_hpz=1")
     try:
         check_pipeline(cfg.model.n_layers, p.pp, p.pp_schedule, p.microbatches, t.micro_batch * p.microbatches,
-                       p.pp_virtual)
+                       p.pp_virtual, int(p.pp_embedding_slot) + int(p.pp_head_slot))
         if method == "manual":  # a cost-balanced split always exists once there are enough layers
             check_manual(cfg.model.n_layers, p.pp * p.pp_virtual, boundaries)
     except ValueError as e:
@@ -116,4 +146,10 @@ def unused(cfg: Config) -> list[Unused]:
                "remove it"),
         Unused("parallel.pp_partition", on, "splits the model into pipeline stages, but parallel.pp=1; "
                "set parallel.pp > 1 or remove it"),
+        *(Unused(f"parallel.{name}", on and p.pp_partition == "even",
+                 f"gives the {what} a block's place in the even pipeline split, but " +
+                 ("parallel.pp=1" if not on else f"parallel.pp_partition={p.pp_partition!r} "
+                  "(a cost-balanced split counts the embedding and head already; a given one is the user's)") +
+                 "; use parallel.pp_partition='even' with parallel.pp > 1")
+          for name, what in (("pp_embedding_slot", "embedding"), ("pp_head_slot", "head"))),
     ]

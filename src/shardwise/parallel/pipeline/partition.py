@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from shardwise.model.moe import moe_aux_loss, moe_layers
-from shardwise.parallel.pipeline.checks import check_boundaries, check_manual, check_stages
+from shardwise.parallel.pipeline.checks import check_boundaries, check_manual, check_stages, even_stage_sizes
 
 if TYPE_CHECKING:
     from shardwise.config import ModelConfig
@@ -33,13 +33,12 @@ if TYPE_CHECKING:
 METHODS = ("even", "params", "flops")
 
 
-def even_split(n_layers: int, n_stages: int) -> list[range]:
-    """Blocks per stage as equal as possible; the first ``n_layers % n_stages`` stages get one more."""
-    check_stages(n_layers, n_stages)
-    base, extra = divmod(n_layers, n_stages)
+def even_split(n_layers: int, n_stages: int, embedding_slot: bool = False, head_slot: bool = False) -> list[range]:
+    """Blocks per stage as equal as possible; the first ``n_layers % n_stages`` stages get one more. With
+    ``embedding_slot`` / ``head_slot`` the embedding / head count as a block of the first / last stage
+    (:func:`~shardwise.parallel.pipeline.checks.even_stage_sizes`, the rule the planner and simulator share)."""
     out, start = [], 0
-    for s in range(n_stages):
-        n = base + (1 if s < extra else 0)
+    for n in even_stage_sizes(n_layers, n_stages, embedding_slot, head_slot):
         out.append(range(start, start + n))
         start += n
     return out
@@ -117,19 +116,31 @@ def layer_costs(cfg: ModelConfig, method: str, seq_len: int | None = None) -> tu
 
 
 def partition(cfg: ModelConfig, n_stages: int, method: str = "even", boundaries: Sequence[int] | None = None,
-              seq_len: int | None = None) -> list[range]:
-    """The blocks of every stage: ``method`` is ``"even"``, ``"params"``, ``"flops"``, or ``"manual"``
-    (with ``boundaries``, see :func:`manual_split`)."""
+              seq_len: int | None = None, embedding_slot: bool = False, head_slot: bool = False) -> list[range]:
+    """The blocks of every stage: ``method`` is ``"even"`` (with the embedding's and the head's slots,
+    ``parallel.pp_embedding_slot`` / ``pp_head_slot``), ``"params"``, ``"flops"``, or ``"manual"`` (with
+    ``boundaries``, see :func:`manual_split`)."""
     if boundaries is not None or method == "manual":
         check_manual(cfg.n_layers, n_stages, boundaries)
         return manual_split(cfg.n_layers, boundaries)
     if method == "even":
-        return even_split(cfg.n_layers, n_stages)
+        return even_split(cfg.n_layers, n_stages, embedding_slot, head_slot)
     if method not in METHODS:
         raise ValueError(f"partition method {method!r} is not valid; use one of {', '.join(METHODS)} or 'manual'")
     check_stages(cfg.n_layers, n_stages)
     blocks, first, last = layer_costs(cfg, method, seq_len)
     return balanced_split(blocks, n_stages, first, last)
+
+
+def config_split(cfg) -> list[range]:
+    """The blocks of every global stage of a resolved config's pipeline (``parallel.pp * pp_virtual`` stages,
+    ``parallel.pp_partition`` and the embedding / head slots): what the engine builds and the simulator runs."""
+    from shardwise.parallel.pipeline.checks import pipeline_partition
+
+    p = cfg.parallel
+    method, boundaries = pipeline_partition(p.pp_partition)
+    return partition(cfg.model, p.pp * p.pp_virtual, method, boundaries, seq_len=cfg.data.seq_len,
+                     embedding_slot=p.pp_embedding_slot, head_slot=p.pp_head_slot)
 
 
 class StageModule(nn.Module):
