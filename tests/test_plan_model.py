@@ -76,9 +76,10 @@ PLANNER_MAY_IMPORT = ("shardwise.plan", "shardwise.config", "shardwise.config_re
                       "shardwise.parallel.pipeline.checks", "shardwise.parallel.expert.checks")
 """What the planner's modules may import from the project: its own package, the config tree, the alpha-beta
 cost model of the collectives (formulas, shared with comm.algorithm='auto'), the reader of a run's
-metrics.jsonl (what --compare sets beside the prediction), and the pipeline's and the experts' config rules (functions of the
-config alone: which pipeline splits are valid and how the even split places the blocks -- one rule for the
-trainer, the planner and the simulator). No model, technique or engine code."""
+metrics.jsonl (what --compare sets beside the prediction), and the pipeline's and the experts' config rules
+(functions of the config alone: which pipeline splits are valid and how the even split places the blocks, which
+ep divides the layout -- one rule for the trainer, the planner and the simulator). No model, technique or engine
+code."""
 SIMULATOR_MAY_BE_CALLED_BY = ("cli.py", "compare.py")
 """The simulator (shardwise.sim) runs the engine's own schedules by design; the plan's command line calls it to
 re-rank layouts (--simulate-top) and to set a simulated step beside the formula's and the run's (--compare): a

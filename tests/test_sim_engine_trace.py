@@ -70,7 +70,8 @@ def test_expert_dispatch_is_traced_and_no_collective_is():
     cfg, hw = _cfg(2, **{"model.n_experts": "4", "parallel.ep": "2"})
     traces = engine_traces(cfg, cfg.train.micro_batch, "meta")
     moe = _ops(traces["moe"])
-    assert moe["index_select"] >= 2 and moe["sort"] >= 1 and moe["_to_copy"] >= 1, moe  # the splits reach the host in one copy
+    # the splits reach the host in one copy
+    assert moe["index_select"] >= 2 and moe["sort"] >= 1 and moe["_to_copy"] >= 1, moe
     assert all(not name.startswith(("allreduce", "alltoall", "send", "recv", "_allgather")) for name in moe)
     # the traced block, not the estimate, is what the step is costed with
     costs = RankCosts(cfg, hw)

@@ -24,8 +24,9 @@ Against measured H100 products (XLA's default GEMM performance table for sm_90, 
 mean absolute error of 14 % (12 % where every dimension is at least 1,024), a single efficiency of 0.70 for
 every shape 34 % (20 %). Stated plainly: the three tiles were chosen over the 128 x 256 tile in its two
 orientations alone (19 %) after that comparison, so the table checks the model's form, not the tile set as a
-held-out test; no constant was fitted to it. Not modelled: split-K and stream-K schedules for short, wide products, the persistent kernels'
-overlap of one tile's epilogue with the next tile's loop, and clocks that boost on short kernels.
+held-out test; no constant was fitted to it. Not modelled: split-K and stream-K schedules for short, wide
+products, the persistent kernels' overlap of one tile's epilogue with the next tile's loop, and clocks that
+boost on short kernels.
 """
 
 from __future__ import annotations
