@@ -16,3 +16,6 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)
     """The pre-clip global gradient norm of every step (empty where the runner has no single global norm: the
     parameter server's workers each measure their own)."""
+    resume_bytes_read: dict[str, int] = field(default_factory=dict)
+    """Bytes this rank read of the checkpoint it resumed from, by file (empty without a resume;
+    :class:`shardwise.train.resume.Resumed`)."""
