@@ -11,7 +11,8 @@ the bytes each rank reads (``TrainResult.resume_bytes_read``, by file):
   but headers and its RNG state. Before, every rank hashed every file and then loaded its share again.
 * one rank cannot verify the newest checkpoint: rank 2's reads of step 2 fail (a transient read error only it
   sees), or a byte of rank 2's ZeRO-3 file of step 2 is flipped (only rank 2 reads that file). Every rank
-  resumes from step 1 together, and the run ends bit-identical to the uninterrupted one.
+  resumes from step 1 together, and the run ends bit-identical to the uninterrupted one. When rank 2 can read
+  neither checkpoint, every rank fails with the same one line.
 * the launcher's check before a resume reads no shard (it hashes ``state.json`` only).
 """
 
@@ -34,30 +35,32 @@ LAYOUTS = {"dp4": {}, "zero3-dp4": {"parallel.zero": 3},
 
 def _train_jobs(jobs):
     """Rank body: trainer runs in a row; per run (the step it resumed from, losses, rank 0's final weights, the
-    bytes this rank read of the checkpoint it resumed from, by file). A job naming a ``failing_rank`` runs with
-    that rank unable to open any file of step 2 (as an I/O error only it sees)."""
+    bytes this rank read of the checkpoint it resumed from, by file), or the line a CheckpointError said. A job
+    naming ``(rank, steps)`` runs with that rank unable to open any file of those checkpoints (as an I/O error
+    only it sees)."""
     import torch.distributed as dist
 
     from shardwise.train import sharded
+    from shardwise.train.checkpoint import CheckpointError
     from shardwise.train.loop import train
 
-    real = sharded.safe_open
+    real, out = sharded.safe_open, []
+    for cfg, run_dir, (failing_rank, steps) in jobs:
+        def failing_open(path, *args, steps=steps, **kwargs):
+            if any(f"step_{s:08d}" in str(path) for s in steps):
+                raise OSError(5, "Input/output error (injected)")
+            return real(path, *args, **kwargs)
 
-    def failing_open(path, *args, **kwargs):
-        if "step_00000002" in str(path):
-            raise OSError(5, "Input/output error (injected)")
-        return real(path, *args, **kwargs)
-
-    out = []
-    for cfg, run_dir, failing_rank in jobs:
         if dist.get_rank() == failing_rank:
             sharded.safe_open = failing_open
         try:
             r = train(cfg, Path(run_dir), collect_state=True)
+            out.append((r.final_step - len(r.losses), r.losses, r.state_dict if dist.get_rank() == 0 else None,
+                        r.resume_bytes_read))
+        except CheckpointError as e:
+            out.append(str(e))
         finally:
             sharded.safe_open = real
-        out.append((r.final_step - len(r.losses), r.losses, r.state_dict if dist.get_rank() == 0 else None,
-                    r.resume_bytes_read))
     return out
 
 
@@ -75,19 +78,19 @@ def _flip_last_byte(path: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache_dir):
     tmp = tmp_path_factory.mktemp("agreed")
-    jobs = [(make_config(tmp / name, cache_dir, 4, **BASE, **o), str(tmp / name), None)
+    jobs = [(make_config(tmp / name, cache_dir, 4, **BASE, **o), str(tmp / name), (None, ()))
             for name, o in LAYOUTS.items()]
     full = dict(zip(LAYOUTS, run_on_ranks(4, _train_jobs, jobs)[0], strict=True))
     newest = _copy(tmp / "zero3-dp4", tmp / "corrupt") / "checkpoints" / "step_00000002"
     _flip_last_byte(newest / "shard-00002.safetensors")
-    names = [*LAYOUTS, "unreadable", "corrupt"]
-    layouts = {**LAYOUTS, "unreadable": LAYOUTS["zero3-dp4"], "corrupt": LAYOUTS["zero3-dp4"]}
+    faults = {"unreadable": (2, (2,)), "all-unreadable": (2, (1, 2))}  # rank 2 cannot read these steps
+    names = [*LAYOUTS, *faults, "corrupt"]
     jobs = []
     for name in names:
-        run_dir = tmp / name if name == "corrupt" else _copy(tmp / name.replace("unreadable", "zero3-dp4"),
-                                                             tmp / f"{name}-resumed")
-        jobs.append((make_config(run_dir, cache_dir, 4, **BASE, **layouts[name], **{"ckpt.resume": True}),
-                     str(run_dir), 2 if name == "unreadable" else None))
+        layout = name if name in LAYOUTS else "zero3-dp4"
+        run_dir = tmp / name if name == "corrupt" else _copy(tmp / layout, tmp / f"{name}-resumed")
+        jobs.append((make_config(run_dir, cache_dir, 4, **BASE, **LAYOUTS[layout], **{"ckpt.resume": True}),
+                     str(run_dir), faults.get(name, (None, ()))))
     resumed = run_on_ranks(4, _train_jobs, jobs)
     return full, {name: [r[i] for r in resumed] for i, name in enumerate(names)}, tmp
 
@@ -155,6 +158,16 @@ def test_one_rank_that_cannot_verify_sends_every_rank_back_together(runs, case):
     kept = checkpoints / "step_00000002.corrupt"
     assert (kept / "shard-00002.safetensors").is_file(), "the checkpoint not every rank could verify is kept aside"
     assert [p.name for p in list_checkpoints(checkpoints)] == ["step_00000001", "step_00000002"]
+
+
+def test_when_no_checkpoint_verifies_on_every_rank_every_rank_fails_with_one_line(runs):
+    _, resumed, tmp = runs
+    lines = resumed["all-unreadable"]
+    assert all(isinstance(line, str) for line in lines), lines
+    assert len(set(lines)) == 1 and "\n" not in lines[0], lines
+    assert "no checkpoint in" in lines[0] and "verifies on every rank" in lines[0] and "rank 2" in lines[0]
+    checkpoints = tmp / "all-unreadable-resumed" / "checkpoints"
+    assert [p.name for p in list_checkpoints(checkpoints)] == ["step_00000001", "step_00000002"], "left as they are"
 
 
 def test_the_launcher_check_reads_no_shard(runs, tmp_path, cache_dir, monkeypatch):
