@@ -156,25 +156,30 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer, ke
 
 
 def load_checkpoint(root: str | Path, model: nn.Module, optimizer) -> tuple[int, dict] | None:
-    """Load the newest valid checkpoint under ``root`` into ``model`` and ``optimizer`` (resharded to this
-    layout: a data-parallel checkpoint loads under ZeRO and back, on any number of ranks) and this rank's RNG;
-    returns ``(step, extra)``, or None when there is none."""
-    from shardwise.train.checkpoint import latest_valid_checkpoint
+    """Load the newest checkpoint under ``root`` that every rank can verify into ``model`` and ``optimizer``
+    (resharded to this layout: a data-parallel checkpoint loads under ZeRO and back, on any number of ranks) and
+    this rank's RNG; returns ``(step, extra)``, or None when there is none. A collective: the ranks agree on the
+    checkpoint, and raise together when there are checkpoints but none verifies on every rank."""
+    from shardwise.train.resume import agreed_resume
     from shardwise.train.sharded import materialized_optimizer_state
-    from shardwise.train.state import open_checkpoint, restore_rng
+    from shardwise.train.state import restore_rng
 
-    found = latest_valid_checkpoint(Path(root), warn=print if dist.get_rank() == 0 else (lambda _m: None))
-    if found is None:
+    def load(reader) -> int:
+        if isinstance(model, ZeroDataParallel):
+            model.load_state_dict(reader.model_state())
+            optimizer.load_state_dict(reader.optimizer_state())
+        else:
+            _inner(model).load_state_dict(dict(reader.model_state()))
+            optimizer.load_state_dict(materialized_optimizer_state(reader.optimizer_state()))
+        restore_rng(reader, dist.get_rank())
+        return int(reader.meta["step"])
+
+    # every rank resumes from the same checkpoint, reading and verifying its share of it (train/resume.py)
+    resumed = agreed_resume(Path(root), load, required=False, keep_aside=False,
+                            warn=print if dist.get_rank() == 0 else (lambda _m: None))
+    if resumed is None:
         return None
-    reader = open_checkpoint(found)
-    if isinstance(model, ZeroDataParallel):
-        model.load_state_dict(reader.model_state())
-        optimizer.load_state_dict(reader.optimizer_state())
-    else:
-        _inner(model).load_state_dict(dict(reader.model_state()))
-        optimizer.load_state_dict(materialized_optimizer_state(reader.optimizer_state()))
-    restore_rng(reader, dist.get_rank())
-    return int(reader.meta["step"]), reader.meta.get("extra", {})
+    return resumed.step, resumed.reader.meta.get("extra", {})
 
 
 def _inner(model: nn.Module) -> nn.Module:

@@ -48,12 +48,12 @@ class Interrupted(Exception):
 def interruption_text(run_dir: Path, signum: int = signal.SIGINT) -> str:
     """"interrupted at step N; the newest checkpoint is step M -- continue with `shardwise train
     RUN_DIR/config.toml --resume`": the last step in metrics.jsonl, the newest valid checkpoint."""
-    from shardwise.train.checkpoint import latest_valid_checkpoint
+    from shardwise.train.checkpoint import latest_valid_checkpoint, verify_structure
 
     what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
     steps = [r["step"] for r in _records(run_dir) if "loss" in r]
     where = f"{what} at step {steps[-1]}" if steps else f"{what} before the first step"
-    newest = latest_valid_checkpoint(run_dir / "checkpoints", warn=lambda _m: None)
+    newest = latest_valid_checkpoint(run_dir / "checkpoints", warn=lambda _m: None, check=verify_structure)
     command = f"shardwise train {shlex.quote(str(run_dir / 'config.toml'))} --resume"
     if newest is None:
         return f"{where}; no checkpoint was written yet -- `{command}` starts it again from step 0"

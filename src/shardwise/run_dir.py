@@ -5,12 +5,15 @@ A run directory holds one run: its resolved ``config.toml``, ``metrics.jsonl``, 
 (without ``--resume``) would overwrite its config and the checkpoints of equal steps, append a second run's
 records to its metrics and leave an older run's later checkpoint as the "newest". So the launcher refuses it
 here, in one line, before anything is written. A resume is checked here too, before any worker starts and
-before ``config.toml`` is rewritten: the directory must exist and hold a checkpoint that verifies, and the
+before ``config.toml`` is rewritten: the directory must exist and hold a checkpoint whose structure checks out
+-- its manifest, every listed file present with its recorded size, ``state.json`` intact -- and the
 checkpoint's tensors must have the shapes the config's model has (``state.json`` indexes them) -- a resume
-that cannot work fails in one line and leaves the run as it was.
+that cannot work fails in one line and leaves the run as it was. No shard is read here: each node's launcher
+would read the whole checkpoint again; the workers verify every tensor they load, each its share, and agree on
+the checkpoint they resume from (:mod:`shardwise.train.resume`).
 
 Checkpoints that fail verification are never overwritten or deleted: once a valid one is chosen, each newer,
-corrupt one is renamed aside (``step_00000006.corrupt``), where no later save of that step and no pruning
+broken one is renamed aside (``step_00000006.corrupt``), where no later save of that step and no pruning
 touches it (:func:`shardwise.train.checkpoint.set_aside`).
 
 ``runs/latest`` points at the newest run that wrote a checkpoint: a run that fails before its first checkpoint
@@ -59,10 +62,12 @@ def check_new_run(run_dir: Path) -> None:
 
 
 def check_resume(run_dir: Path, cfg: Config, log=print) -> Path:
-    """The checkpoint a resume of ``run_dir`` will start from (the newest that verifies), after checking that
-    ``cfg``'s model has the checkpoint's shapes; each newer, corrupt checkpoint is renamed aside and named
-    through ``log``. ConfigError, with nothing changed, when there is nothing to resume or it does not fit."""
-    from shardwise.train.checkpoint import CheckpointError, list_checkpoints, set_aside, verify_checkpoint
+    """The checkpoint a resume of ``run_dir`` will start from (the newest whose structure checks out:
+    :func:`~shardwise.train.checkpoint.verify_structure`, no tensor file read; the workers may still fall back
+    together from one whose bytes do not verify), after checking that ``cfg``'s model has the checkpoint's
+    shapes; each newer, broken checkpoint is renamed aside and named through ``log``. ConfigError, with nothing
+    changed, when there is nothing to resume or it does not fit."""
+    from shardwise.train.checkpoint import CheckpointError, list_checkpoints, set_aside, verify_structure
     from shardwise.train.state import resume_mismatch
 
     root = run_dir / "checkpoints"
@@ -76,7 +81,7 @@ def check_resume(run_dir: Path, cfg: Config, log=print) -> Path:
     corrupt: list[tuple[Path, str]] = []
     for path in reversed(found):
         try:
-            verify_checkpoint(path)
+            verify_structure(path)
         except CheckpointError as e:
             corrupt.append((path, str(e)))
             continue

@@ -36,12 +36,13 @@ from shardwise.ps.partition import partition_model
 from shardwise.ps.server import Server
 from shardwise.ps.worker import Worker
 from shardwise.train import state as train_state
-from shardwise.train.checkpoint import CheckpointError, latest_valid_checkpoint
+from shardwise.train.checkpoint import verify_checkpoint
 from shardwise.train.metrics import MetricsLogger
 from shardwise.train.optim import build_optimizer, lr_at, set_lr
 from shardwise.train.precision import autocast_context
 from shardwise.train.recovery import resume_wanted
 from shardwise.train.result import TrainResult
+from shardwise.train.resume import agreed_resume
 from shardwise.train.sharded import save_sharded, whole
 
 
@@ -96,15 +97,17 @@ def run_ps(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: 
     log = MetricsLogger(run_dir, enabled=rank == 0, total_steps=tcfg.steps,
                         tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
     if resume_wanted(cfg.ckpt.resume):  # asked for, or the elastic agent restarted the group
-        warn = log.log_event if rank == 0 else (lambda _m: None)
-        found = latest_valid_checkpoint(run_dir / "checkpoints", warn=warn, keep_aside=rank == 0)
-        if found is None and cfg.ckpt.resume:
-            raise CheckpointError(f"ckpt.resume=true but no checkpoint in {run_dir / 'checkpoints'} verifies: "
-                                  "nothing to resume")
-        if found is not None:
-            reader = train_state.open_checkpoint(found)
-            start_step = int(reader.meta["step"])
-            log.log_event(f"resumed from {found} at step {start_step} (parameter server)")
+        # the ranks agree on one checkpoint (train/resume.py); a server loads its partitions once it has started,
+        # so here every rank verifies the whole checkpoint, not only its share, before the ranks agree on it
+        def verified_step(candidate) -> int:
+            verify_checkpoint(candidate.path)
+            return int(candidate.meta["step"])
+
+        resumed = agreed_resume(run_dir / "checkpoints", verified_step, required=cfg.ckpt.resume,
+                                warn=log.log_event if rank == 0 else (lambda _m: None))
+        if resumed is not None:
+            reader, start_step = train_state.open_checkpoint(resumed.path), resumed.step
+            log.log_event(f"resumed from {resumed.path} at step {start_step} (parameter server)")
     log.start_step = start_step
 
     def save(step: int) -> None:

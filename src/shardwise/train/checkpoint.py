@@ -4,7 +4,10 @@ A checkpoint is a directory ``<root>/step_<8-digit step>/`` holding
 
 * one ``<stem>.safetensors`` file per entry of ``tensors`` (e.g. ``model``, ``optim``),
 * ``state.json``: the caller's JSON metadata (step, RNG seeds, loss scaler, data position, ...),
-* ``manifest.json``: format version, step, and for every other file its size and SHA-256.
+* ``manifest.json``: format version, step, and for every other file its size and SHA-256 -- and for a
+  safetensors file the SHA-256 of each tensor entry (``entries``), so that a reader can verify exactly the
+  tensors it reads (:mod:`shardwise.train.ckpt_digests`; checkpoints written before have none, and are
+  verified file by file).
 
 Nothing is ever unpickled: tensors are read with safetensors and everything else is JSON.
 
@@ -12,7 +15,10 @@ Atomicity follows the classic POSIX recipe (write to a temporary name, ``fsync``
 ``rename`` into place, ``fsync`` the directory; see rename(2) and the discussion of durable
 renames in Pillai et al., "All File Systems Are Not Created Equal", OSDI 2014). The manifest is
 written last, so a directory without a complete, matching manifest is never a valid checkpoint,
-and ``verify_checkpoint`` detects truncated, missing or altered files by size and hash.
+and ``verify_checkpoint`` detects truncated, missing or altered files by size and hash. What needs no read of
+the tensors -- the manifest, every listed file present with its recorded size, ``state.json`` -- is checked
+by :func:`verify_structure`: the launcher's check before a resume (:mod:`shardwise.run_dir`), where the ranks
+then verify the bytes each reads (:mod:`shardwise.train.resume`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from shardwise.train.ckpt_digests import file_sha256, safetensors_sha256
+
 __all__ = [
     "CheckpointError",
     "save_checkpoint",
@@ -40,6 +48,8 @@ __all__ = [
     "list_checkpoints",
     "latest_valid_checkpoint",
     "set_aside",
+    "verify_structure",
+    "manifest_digest",
 ]
 
 FORMAT_NAME = "shardwise.checkpoint"
@@ -58,7 +68,6 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP_DIR = re.compile(r"^\.tmp-step_\d{8,}-(\d+)-[0-9a-f]+$")
 _STEM = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_CHUNK = 1 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -126,7 +135,7 @@ def write_tensor_file(directory: Path, stem: str, flat: Mapping[str, torch.Tenso
     path = Path(directory) / name
     try:
         save_file(_prepare_tensors(flat), str(path), metadata={"format": "pt"})
-        return {name: _fsync_and_describe(path)}
+        return {name: _fsync_and_describe(path, entries=True)}
     except (OSError, SafetensorError) as e:  # a full disk: safetensors' message does not name the file
         raise CheckpointError(f"cannot write {path}: {_reason(e)}") from e
 
@@ -297,27 +306,21 @@ def _fsync_dir(path: Path) -> None:
         pass  # some platforms/file systems cannot fsync a directory
 
 
-def _fsync_and_describe(path: Path) -> dict[str, Any]:
-    """fsync ``path`` and return its manifest entry ``{"size": bytes, "sha256": hex}``."""
+def _fsync_and_describe(path: Path, entries: bool = False) -> dict[str, Any]:
+    """fsync ``path`` and return its manifest entry ``{"size": bytes, "sha256": hex}``, with ``entries`` (a
+    safetensors file) also ``"entries": {tensor name: SHA-256 of its bytes}`` -- from the same one read."""
     _fsync_path(path)
-    size, digest = _size_and_sha256(path)
+    if entries:
+        size, digest, per_entry = safetensors_sha256(path)
+        return {"size": size, "sha256": digest, "entries": per_entry}
+    size, digest = file_sha256(path)
     return {"size": size, "sha256": digest}
-
-
-def _size_and_sha256(path: Path) -> tuple[int, str]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- reading
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
+def _manifest_bytes(path: Path) -> bytes:
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if not path.is_dir():
@@ -326,8 +329,18 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     if not mpath.is_file():
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is missing (incomplete write or not a checkpoint)")
     try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return mpath.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable: {e}") from e
+
+
+def _read_manifest(path: Path, data: bytes | None = None) -> dict[str, Any]:
+    """The manifest of ``path`` (from ``data``, its bytes, when given), checked for form."""
+    if data is None:
+        data = _manifest_bytes(path)
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a {FORMAT_NAME} manifest")
@@ -354,6 +367,10 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             or not _SHA256.match(entry["sha256"])
         ):
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} entry for {name} lacks a valid size and sha256")
+        digests = entry.get("entries", {})
+        if not isinstance(digests, dict) or not all(isinstance(k, str) and isinstance(v, str) and _SHA256.match(v)
+                                                    for k, v in digests.items()):
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} entry for {name} has invalid tensor digests")
     return manifest
 
 
@@ -364,6 +381,17 @@ def verify_checkpoint(path: Path) -> None:
     truncation cheaply), and its SHA-256 matches (catching any altered byte).
     """
     path = Path(path)
+    manifest = verify_structure(path)
+    for name in manifest["files"]:
+        if name != STATE:  # verified with the structure
+            verify_file(path, name, manifest)
+
+
+def verify_structure(path: Path) -> dict[str, Any]:
+    """What a checkpoint is checked for without reading its tensor files: a valid manifest, every listed file
+    present with its recorded size, and ``state.json`` intact (its SHA-256: it is small). Returns the manifest;
+    raises :class:`CheckpointError` naming the checkpoint and file."""
+    path = Path(path)
     manifest = _read_manifest(path)
     for name, entry in manifest["files"].items():
         fpath = path / name
@@ -373,24 +401,55 @@ def verify_checkpoint(path: Path) -> None:
         if size != entry["size"]:
             what = "truncated" if size < entry["size"] else "longer than recorded"
             raise CheckpointError(f"checkpoint {path}: file {name} is {what} ({size} bytes, expected {entry['size']})")
-        _, digest = _size_and_sha256(fpath)
-        if digest != entry["sha256"]:
-            expected = entry["sha256"]
-            raise CheckpointError(
-                f"checkpoint {path}: file {name} is corrupt (sha256 {digest[:12]}..., expected {expected[:12]}...)"
-            )
+    verify_file(path, STATE, manifest)
+    return manifest
 
 
-def listed_files(path: Path) -> set[str]:
-    """The file names a checkpoint's manifest lists (plain names inside the checkpoint directory, checked)."""
-    return set(_read_manifest(Path(path))["files"])
+def verify_file(path: Path, name: str, manifest: dict[str, Any]) -> int:
+    """Raise :class:`CheckpointError` unless the file ``name`` of checkpoint ``path`` has the SHA-256 its
+    ``manifest`` records; returns the bytes read."""
+    size, digest = file_sha256(Path(path) / name)
+    expected = manifest["files"][name]["sha256"]
+    if digest != expected:
+        raise CheckpointError(
+            f"checkpoint {path}: file {name} is corrupt (sha256 {digest[:12]}..., expected {expected[:12]}...)"
+        )
+    return size
 
 
-def read_state(path: Path) -> dict[str, Any]:
-    """``state.json`` of a checkpoint (already verified), as a dict."""
+def manifest_digest(path: Path) -> tuple[dict[str, Any], str, int]:
+    """``(manifest, SHA-256 of manifest.json, its size)`` of a checkpoint whose manifest is valid, read once: two
+    ranks that see the same digest see the same checkpoint (the manifest holds the digest of every file)."""
+    path = Path(path)
+    data = _manifest_bytes(path)
+    return _read_manifest(path, data), hashlib.sha256(data).hexdigest(), len(data)
+
+
+def verified_state(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """``(state.json as a dict, its size)``, read once and checked against the SHA-256 ``manifest`` records."""
     path = Path(path)
     try:
-        meta = json.loads((path / STATE).read_text(encoding="utf-8"))
+        data = (path / STATE).read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: file {STATE} is unreadable: {e}") from e
+    digest, expected = hashlib.sha256(data).hexdigest(), manifest["files"][STATE]["sha256"]
+    if digest != expected:
+        raise CheckpointError(
+            f"checkpoint {path}: file {STATE} is corrupt (sha256 {digest[:12]}..., expected {expected[:12]}...)")
+    return read_state(path, data), len(data)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """A checkpoint's manifest, checked for form: ``files`` maps plain names inside the checkpoint directory to
+    their size, SHA-256 and (safetensors files) tensor digests."""
+    return _read_manifest(Path(path))
+
+
+def read_state(path: Path, data: bytes | None = None) -> dict[str, Any]:
+    """``state.json`` of a checkpoint (already verified; from ``data``, its bytes, when given), as a dict."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / STATE).read_bytes() if data is None else data)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {path}: file {STATE} is unreadable: {e}") from e
     if not isinstance(meta, dict):
@@ -433,8 +492,10 @@ def list_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_valid_checkpoint(root: Path, warn: Callable[[str], Any] = print, keep_aside: bool = False) -> Path | None:
-    """The newest checkpoint under ``root`` that verifies, or None.
+def latest_valid_checkpoint(root: Path, warn: Callable[[str], Any] = print, keep_aside: bool = False,
+                            check: Callable[[Path], Any] = verify_checkpoint) -> Path | None:
+    """The newest checkpoint under ``root`` that verifies (``check``: every file's hash by default;
+    :func:`verify_structure` reads no tensor file), or None.
 
     Each newer checkpoint that fails verification is reported through ``warn`` with one line
     naming the checkpoint, the file and what is wrong, and skipped; with ``keep_aside`` it is also
@@ -442,7 +503,7 @@ def latest_valid_checkpoint(root: Path, warn: Callable[[str], Any] = print, keep
     """
     for path in reversed(list_checkpoints(root)):
         try:
-            verify_checkpoint(path)
+            check(path)
         except CheckpointError as e:
             why = str(e)
             if keep_aside:

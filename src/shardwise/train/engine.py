@@ -198,8 +198,11 @@ class Engine:
         p, precision, device = self.cfg.parallel, self.cfg.train.precision, self.device
         if p.pp == 1:
             return OneStage(self.wrapper, precision, device)
+        # activations travel in the dtype the stages compute them in: bf16 when ZeRO keeps bf16 parameters
+        act_dtype = torch.bfloat16 if self.zero and p.zero_param_dtype == "bf16" else torch.float32
         pipe = Pipeline(self.parts, self.mesh.ranks("pp"), p.pp_schedule, p.microbatches, self.cfg.model.d_model,
-                        device=device, forward_context=lambda: autocast_context(precision, device.type),
+                        act_dtype=act_dtype, device=device,
+                        forward_context=lambda: autocast_context(precision, device.type),
                         comm_stats=self.ledger["pp"], seq_shards=p.tp if p.sequence_parallel else 1,
                         tokens_to_every_stage=self.cfg.train.objective == "classify")
         return PipelineSchedule(pipe, self.wrapper, self.mesh.group("pp"), self.mesh.ranks("pp"), p.pp_schedule,

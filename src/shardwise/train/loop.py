@@ -25,7 +25,6 @@ from shardwise.parallel.context import shard_windows
 from shardwise.parallel.expert.router_step import CollapseWatch
 from shardwise.train import memory as train_memory
 from shardwise.train import state as train_state
-from shardwise.train.checkpoint import CheckpointError, latest_valid_checkpoint
 from shardwise.train.ckpt_writer import CheckpointWriter
 from shardwise.train.engine import Engine
 from shardwise.train.faults import FaultPlan
@@ -36,6 +35,7 @@ from shardwise.train.precision import DynamicLossScaler
 from shardwise.train.readout import Readout, ReadStep
 from shardwise.train.recovery import clean_partial_checkpoints, note_restart, resume_wanted
 from shardwise.train.result import TrainResult
+from shardwise.train.resume import agreed_resume
 from shardwise.train.step_guard import SkippedStepsError, StepGuard, nonfinite_sources, skip_line
 
 
@@ -88,21 +88,23 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         from shardwise.hf.init import init_from_pretrained
 
         log.log_event(init_from_pretrained(engine, cfg))
+    resumed = None
     if resume_wanted(cfg.ckpt.resume):  # asked for, or the elastic agent restarted the group
-        found = latest_valid_checkpoint(ckpt_root, warn=log.log_event if rank == 0 else (lambda _m: None),
-                                        keep_aside=rank == 0)  # a corrupt one is kept, never overwritten
-        if found is None and cfg.ckpt.resume:
-            raise CheckpointError(f"ckpt.resume=true but no checkpoint in {ckpt_root} verifies: nothing to resume")
-        if found is not None:
-            reader = train_state.open_checkpoint(found)
-            start_step = train_state.restore(reader, engine, scaler, sampler, rank)
-            skipped_before = int(reader.meta.get("skipped_steps", 0))
-            log.log_event(f"resumed from {found} at step {start_step}")
-            changed = schedule_change(reader.meta.get("config", {}).get("train", {}), tcfg, start_step)
+        # the ranks agree on one checkpoint and each reads (and verifies) its share (train/resume.py); one
+        # that not every rank can verify is kept aside, never overwritten
+        resumed = agreed_resume(ckpt_root, lambda reader: train_state.restore(reader, engine, scaler, sampler, rank),
+                                required=cfg.ckpt.resume, warn=log.log_event if rank == 0 else (lambda _m: None))
+        if resumed is not None:
+            start_step = resumed.step
+            skipped_before = int(resumed.reader.meta.get("skipped_steps", 0))
+            log.log_event(f"resumed from {resumed.path} at step {start_step} (agreed by all {world} ranks; "
+                          f"{sum(resumed.bytes_read.values()):,} bytes read here, at most "
+                          f"{resumed.max_rank_bytes:,} on one rank)")
+            changed = schedule_change(resumed.reader.meta.get("config", {}).get("train", {}), tcfg, start_step)
             if changed:
                 log.log_event(changed)
         else:
-            log.log_event(f"no valid checkpoint in {ckpt_root}; starting from step 0")
+            log.log_event(f"no checkpoint in {ckpt_root} verifies on every rank; starting from step 0")
     log.start_step = start_step
     note_restart(log, run_dir, start_step, cfg.run.max_restarts)  # a restarted group logs what was lost
 
@@ -247,7 +249,8 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
     full = engine.final_state_dict() if collect_state else {}
     state = {k: v.detach().cpu().clone() for k, v in full.items()}
     return TrainResult(losses=losses, val_loss=val_loss, final_step=done, state_dict=state, grad_norms=grad_norms,
-                       skipped_steps=skipped_steps)
+                       skipped_steps=skipped_steps,
+                       resume_bytes_read=resumed.bytes_read if resumed is not None else {})
 
 
 SCHEDULE_FIELDS = ("steps", "lr", "min_lr", "warmup_steps")

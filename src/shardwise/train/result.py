@@ -19,3 +19,6 @@ class TrainResult:
     skipped_steps: list[int] = field(default_factory=list)
     """The optimizer steps that were skipped on every rank (non-finite loss or gradient, fp16 overflow, a norm
     above ``train.skip_grad_norm_above``; :mod:`shardwise.train.step_guard`), as this rank read them."""
+    resume_bytes_read: dict[str, int] = field(default_factory=dict)
+    """Bytes this rank read of the checkpoint it resumed from, by file (empty without a resume;
+    :class:`shardwise.train.resume.Resumed`)."""

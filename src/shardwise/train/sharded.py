@@ -12,10 +12,17 @@ range of which tensor. Loading assembles whatever range a rank of the *new* layo
 files (read lazily with ``safetensors.safe_open``), so any checkpoint resumes on any layout -- the
 resharding-on-load of ``torch.distributed.checkpoint``, here for our own flat shards. Checkpoints
 need one file system visible to every writer (as DCP's file-system writer does).
+
+A reader that ``verify``-s checks every tensor entry it reads against the SHA-256 the manifest records for
+it (:mod:`shardwise.train.ckpt_digests`) as it reads it, once, and counts the bytes it reads per file
+(``bytes_read``): a resuming rank verifies exactly its share of the checkpoint, not every rank's files
+(:mod:`shardwise.train.resume`). Where a range is held twice (the ZeRO ranks' copies of a step count), it
+reads the copy in a file it has opened already, else in its own rank's file (``own_file``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -31,10 +38,15 @@ from shardwise.train.checkpoint import (
     abandon_checkpoint,
     begin_checkpoint,
     finish_checkpoint,
-    listed_files,
+    read_manifest,
+    verify_file,
     write_tensor_file,
 )
+from shardwise.train.ckpt_digests import CHUNK, update_sha256
 from shardwise.train.optim_state import optimizer_state_from_tensors
+
+SHARD_STEM = "shard-{rank:05d}"
+"""The file (stem) each rank writes its pieces into."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,7 @@ def write_pieces(tmp: Path, rank: int, pieces: list[Piece]) -> tuple[dict, list,
     try:
         if pieces:
             entries = {f"{p.key}@{p.start}": p.values.reshape(-1) for p in pieces}
-            files = write_tensor_file(tmp, f"shard-{rank:05d}", entries)
+            files = write_tensor_file(tmp, SHARD_STEM.format(rank=rank), entries)
             (name,) = files
             index = [(p.key, name, f"{p.key}@{p.start}", p.start, p.values.numel(), list(p.shape),
                       str(p.values.dtype).removeprefix("torch.")) for p in pieces]
@@ -117,26 +129,70 @@ def finish_pieces(root: Path, step: int, tmp: Path, everyone: list, meta: dict[s
 
 
 class ShardedReader:
-    """Assemble tensors of a sharded checkpoint from its files, one tensor at a time."""
+    """Assemble tensors of a sharded checkpoint from its files, one tensor at a time; with ``verify``, each
+    tensor entry read is checked against its digest in the manifest (a file without entry digests, written
+    before they existed, is hashed whole when first opened)."""
 
-    def __init__(self, path: Path, meta: Mapping[str, Any]):
-        self.path, self.meta = Path(path), meta
+    def __init__(self, path: Path, meta: Mapping[str, Any], verify: bool = False, own_file: str | None = None,
+                 manifest: dict[str, Any] | None = None):
+        self.path, self.meta, self.verify, self.own_file = Path(path), meta, verify, own_file
         self.index: dict[str, dict[str, Any]] = meta["shards"]
         self._open: dict[str, Any] = {}
-        listed = listed_files(self.path)  # plain names inside the directory, each with a size and SHA-256
+        self._verified: set[tuple[str, str]] = set()
+        self.bytes_read: dict[str, int] = {}
+        """Bytes this reader read, by file name: safetensors headers, tensor entries, whole-file digests."""
+        self.manifest = read_manifest(self.path) if manifest is None else manifest
+        listed = self.manifest["files"]  # plain names inside the directory, each with a size and SHA-256
         for key, info in self.index.items():  # a file the manifest does not cover is never opened
             for piece in info["pieces"]:
                 if piece[0] not in listed:
                     raise CheckpointError(f"checkpoint {self.path}: state.json places {key!r} in file {piece[0]!r}, "
                                           "which is not a file of the checkpoint listed in its manifest")
 
+    def _count(self, name: str, nbytes: int) -> None:
+        self.bytes_read[name] = self.bytes_read.get(name, 0) + nbytes
+
     def _file(self, name: str):
         if name not in self._open:
+            digests = "entries" in self.manifest["files"][name]
+            if self.verify and not digests and (name, "") not in self._verified:
+                self._count(name, verify_file(self.path, name, self.manifest))  # an older checkpoint: the file
+                self._verified.add((name, ""))
             try:
+                with open(self.path / name, "rb") as f:  # what safe_open reads of it: the header
+                    self._count(name, 8 + int.from_bytes(f.read(8), "little"))
                 self._open[name] = safe_open(str(self.path / name), framework="pt", device="cpu")
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"checkpoint {self.path}: file {name} cannot be read by safetensors: {e}") from e
         return self._open[name]
+
+    def _read(self, file: str, entry: str, numel: int, lo: int, hi: int, itemsize: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the entry ``entry`` (``numel`` elements of ``itemsize`` bytes) of ``file``.
+        Verifying, an entry not read before is read whole, in chunks, and its digest checked; the range is taken
+        from those chunks."""
+        part = self._file(file).get_slice(entry)
+        expected = self.manifest["files"][file].get("entries", {}).get(entry) if self.verify else None
+        if expected is None or (file, entry) in self._verified:
+            values = part[lo:hi]
+            self._count(file, values.numel() * values.element_size())
+            return values
+        digest, kept = hashlib.sha256(), []
+        step = max(1, CHUNK // itemsize)
+        for c0 in range(0, max(numel, 1), step):
+            chunk = part[c0:min(numel, c0 + step)]
+            update_sha256(digest, chunk)
+            self._count(file, chunk.numel() * chunk.element_size())
+            if c0 < hi and c0 + chunk.numel() > lo:
+                kept.append(chunk[max(lo, c0) - c0:min(hi, c0 + chunk.numel()) - c0])
+        if digest.hexdigest() != expected:
+            raise CheckpointError(f"checkpoint {self.path}: tensor {entry!r} of file {file} is corrupt (sha256 "
+                                  f"{digest.hexdigest()[:12]}..., expected {expected[:12]}...)")
+        self._verified.add((file, entry))
+        return torch.cat(kept) if len(kept) != 1 else kept[0]
+
+    def _preference(self, file: str) -> int:
+        """Where a range is held twice: a file read already first, then this rank's own."""
+        return 0 if file in self._open else 1 if file == self.own_file else 2
 
     def close(self) -> None:
         """Close the files opened so far: safetensors maps them into memory, and the pages read stay in the
@@ -160,17 +216,16 @@ class ShardedReader:
             raise CheckpointError(f"checkpoint {self.path} holds no tensor {key!r}")
         info = self.index[key]
         out = torch.empty(stop - start, dtype=getattr(torch, info["dtype"]))
+        itemsize = out.element_size()
         pos = start
-        for file, entry, a, b in sorted(info["pieces"], key=lambda p: (p[2], -p[3])):
-            if b <= pos or a >= stop:
-                continue
-            if a > pos:
-                raise CheckpointError(f"checkpoint {self.path}: tensor {key!r} lacks elements {pos}..{a}")
+        while pos < stop:
+            covering = [p for p in info["pieces"] if p[2] <= pos < p[3]]
+            if not covering:
+                raise CheckpointError(f"checkpoint {self.path}: tensor {key!r} lacks elements {pos}..{stop}")
+            file, entry, a, b = min(covering, key=lambda p: (self._preference(p[0]), -p[3]))
             hi = min(b, stop)
-            out[pos - start:hi - start] = self._file(file).get_slice(entry)[pos - a:hi - a]
+            out[pos - start:hi - start] = self._read(file, entry, b - a, pos - a, hi - a, itemsize)
             pos = hi
-        if pos < stop:
-            raise CheckpointError(f"checkpoint {self.path}: tensor {key!r} lacks elements {pos}..{stop}")
         return out
 
     def model_state(self) -> LazyState:

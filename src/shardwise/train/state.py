@@ -17,7 +17,7 @@ import torch.distributed as dist
 from shardwise.dist.devices import exchange_device
 from shardwise.train.checkpoint import CheckpointError, load_checkpoint, read_state
 from shardwise.train.optim_state import optimizer_state_from_tensors, optimizer_state_to_tensors
-from shardwise.train.sharded import Piece, ShardedReader, whole
+from shardwise.train.sharded import SHARD_STEM, Piece, ShardedReader, whole
 
 
 def gather_rng_states() -> list[torch.Tensor]:
@@ -55,10 +55,13 @@ def capture_meta(param_groups: list[dict], scaler, sampler, step: int, cfg, skip
 
 
 class _WholeFileReader:
-    """Checkpoints written before sharding (one ``model``, ``optimizer`` and ``rng`` file) as a reader."""
+    """Checkpoints written before sharding (one ``model``, ``optimizer`` and ``rng`` file) as a reader: every
+    file verified and read whole (``bytes_read``: each file's size twice)."""
 
     def __init__(self, path: Path):
+        self.path = Path(path)
         self.tensors, self.meta = load_checkpoint(path)
+        self.bytes_read = {p.name: 2 * p.stat().st_size for p in Path(path).iterdir() if p.is_file()}
 
     def model_state(self) -> dict:
         return self.tensors["model"]
@@ -70,10 +73,17 @@ class _WholeFileReader:
         return self.tensors["rng"].get(f"rank{rank}", self.tensors["rng"]["rank0"])
 
 
-def open_checkpoint(path: Path):
-    """A reader (``model_state()``, ``optimizer_state()``, ``rng(rank)``, ``meta``) of a verified checkpoint."""
-    meta = read_state(path)
-    return ShardedReader(path, meta) if "shards" in meta else _WholeFileReader(path)
+def open_checkpoint(path: Path, verify: bool = False, rank: int | None = None, meta: dict | None = None,
+                    manifest: dict | None = None):
+    """A reader (``model_state()``, ``optimizer_state()``, ``rng(rank)``, ``meta``) of a checkpoint, verified
+    before (:func:`~shardwise.train.checkpoint.verify_checkpoint`) or, with ``verify``, tensor by tensor as it
+    reads them, preferring ``rank``'s own file where a range is held twice; ``meta`` and ``manifest``: its
+    ``state.json`` and manifest when already read."""
+    meta = read_state(path) if meta is None else meta
+    if "shards" not in meta:
+        return _WholeFileReader(path)
+    own = None if rank is None else f"{SHARD_STEM.format(rank=rank)}.safetensors"
+    return ShardedReader(path, meta, verify=verify, own_file=own, manifest=manifest)
 
 
 def restore(reader, engine, scaler, sampler, rank: int) -> int:

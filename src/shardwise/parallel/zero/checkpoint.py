@@ -2,8 +2,9 @@
 
 Each rank owns, per unit, the pieces of parameters that fall into its slice of the flat buffer
 (:class:`~shardwise.parallel.zero.flat.Piece`: elements ``[start, stop)`` of one flattened parameter).
-For every piece it writes the master values (as the parameter's dtype, like ``state_dict()``) under each
-name the model's state dict gives that parameter (a tied weight has two), and the optimizer's element-wise
+For every piece it writes the fp32 master values -- whatever dtype the flat parameters are kept in
+(``param_dtype``): they are the model, a bf16 working copy only their rounding -- under each name the
+model's state dict gives that parameter (a tied weight has two), and the optimizer's element-wise
 state (Adam's moments) under the parameter's index in the single-process optimizer; AdamW's scalar
 ``step`` is written whole by every rank holding a piece (equal everywhere). Rank 0 adds the buffers.
 With disk offload each unit's master and moments are streamed in while its pieces are copied.
@@ -48,7 +49,7 @@ def zero_checkpoint_pieces(engine, optimizer, with_buffers: bool, ref_map=None) 
         with engine.masters.resident(u, state):
             for pc, m in entries:
                 p = u.params[pc.param_index]
-                values = snapshot(m.to(p.dtype))
+                values = snapshot(m)  # the fp32 master, never the working copy's dtype
                 for name in names[id(p)]:
                     pieces += _range(f"model/{name}", values, pc.start, p)
                 for key, v in state.get(m, {}).items():

@@ -45,7 +45,7 @@ def full_model_state(engine: ZeroDataParallel) -> dict[str, torch.Tensor]:
             values = {pc.param_index: masters[(u.index, pc.param_index)] for pc in u.pieces}
             full = gather_flat(engine, u, values).cpu()
         for p, off, n in zip(u.params, u.offsets, u.numels, strict=True):
-            by_param[id(p)] = full[off:off + n].view(p.shape).to(p.dtype).clone()
+            by_param[id(p)] = full[off:off + n].view(p.shape).clone()  # fp32 masters, whatever p.dtype is
     out = {}
     for name, t in engine.module.state_dict(keep_vars=True).items():
         out[name] = by_param[id(t)] if id(t) in by_param else t.detach().cpu().clone()
