@@ -26,6 +26,7 @@ names and optimizer indices (:class:`ReferenceOrder`), loaded back resharded to 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -179,11 +180,16 @@ class Engine:
     def _wrap(self, run_dir: Path):
         p = self.cfg.parallel
         expert_group = self.mesh.group("edp") if self.ep_group is not None else None  # replicas of my experts
-        if not self.zero:
+        if not self.zero:  # a gradient dtype of its own is the all-reduce's cast (comm.compression, unset then)
+            comm = self.cfg.comm if p.grad_reduce_dtype == "auto" else dataclasses.replace(
+                self.cfg.comm, compression="none" if p.grad_reduce_dtype == "fp32" else p.grad_reduce_dtype)
             return DataParallel(self.module, group=self.group, bucket_mb=p.bucket_mb,
-                                all_reduce_fn=gradient_all_reduce(self.cfg.comm, self.ledger["dp"], p.nproc),
-                                expert_group=expert_group)
+                                all_reduce_fn=gradient_all_reduce(comm, self.ledger["dp"], p.nproc),
+                                expert_group=expert_group, comm_stats=self.ledger["dp"])
+        reduce_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[p.grad_reduce_dtype]
         return ZeroDataParallel(self.module, group=self.group, stage=p.zero, bucket_mb=p.bucket_mb,
+                                overlap_reduce=p.zero_overlap_grad_reduce if p.zero < 3 else None,
+                                overlap_param_gather=p.zero_overlap_param_gather, reduce_dtype=reduce_dtype,
                                 unit_blocks=p.zero_unit, offload=p.offload,
                                 param_dtype=torch.bfloat16 if p.zero_param_dtype == "bf16" else None,
                                 offload_dir=p.offload_dir or str(run_dir / "offload"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardwise.checks import divisors
+from shardwise.checks import Unused, divisors
 from shardwise.config import Config, ConfigError, ModelConfig
 
 
@@ -37,3 +37,9 @@ def check(cfg: Config) -> None:
         raise ConfigError("parallel.sequence_parallel=true with train.objective='classify': the classifier reads the "
                           "[CLS] token, which only the first tensor-parallel rank's piece of the sequence holds; "
                           "use parallel.sequence_parallel=false")
+
+
+def unused(cfg: Config) -> list[Unused]:
+    p = cfg.parallel
+    return [Unused("parallel.tp_comm_overlap", p.tp > 1, f"overlaps tensor-parallel communication with its matmuls, "
+                   f"but parallel.tp={p.tp}; set parallel.tp > 1 or remove it")]
