@@ -268,8 +268,14 @@ class Engine:
         attention work and the experts' load (each a small collective; not looked for when off). With MoE
         blocks it also ends the routers' step: their load summed over the global batch moves the
         ``sigmoid_bias`` routers' balancing biases (:func:`~shardwise.parallel.expert.router_step.router_step`);
-        the loop calls it once after every optimizer step."""
+        the loop calls it once after every optimizer step. ``dp_reduced_in_backward``: the gradient buckets (ZeRO:
+        units) whose reduction the last step launched during backward -- before it ended, or in a pipeline before
+        the flush -- rather than after it."""
         out = self.schedule.step_metrics()
+        early = getattr(self.wrapper, "overlapped_units_last_step", None)
+        early = getattr(self.wrapper, "overlapped_buckets_last_step", None) if early is None else early
+        if early is not None and self.mesh.size("dp_cp") > 1:
+            out["dp_reduced_in_backward"] = float(early)
         if self.mesh.size("cp") > 1:
             out.update(pop_attention_work(self.module))
         if self.cfg.model.n_experts:
