@@ -230,3 +230,82 @@ def test_zero_forward_waits_for_its_own_units_only(stage):
         assert seen["in_flight_in_backward"] >= 1  # and a reduce-scatter travelled beside backward
     for seen in run_on_ranks(2, _zero_timing, stage, False):
         assert seen["missing"] == seen["in_flight_at_forward"] == seen["in_flight_in_backward"] == 0
+
+
+# ---- the simulator models the same overlaps, from the same code -------------------------------------------
+
+
+def _sim(hw, overrides):
+    from tests.test_sim import run as run_sim
+
+    return run_sim(hw, {"train.global_batch": "8", "train.micro_batch": "4", "parallel.bucket_mb": "0.02",
+                        **overrides})
+
+
+def test_sim_zero_param_gather_overlaps_the_next_forward():
+    """With the overlap each bucket's all-gather runs on the data-parallel stream from the step's start and a
+    piece's forward waits only for its own buckets; without it the gathers block after the optimizer."""
+    from tests.test_sim import cluster
+
+    hw = cluster(gpus=2)
+    on, b_on = _sim(hw, {"parallel.zero": "1"})
+    off, b_off = _sim(hw, {"parallel.zero": "1", "parallel.zero_overlap_param_gather": "false"})
+    gathers = [t for t in b_on.graph.tasks if t.name.startswith("all-gather bucket")]
+    assert len(gathers) == len(b_on.params[0].groups) > 2 and all(t.stream == "dp" for t in gathers)
+    assert all(t.stream == "compute" for t in b_off.graph.tasks if t.name.startswith("all-gather bucket"))
+    first = next(t for t in b_on.graph.tasks if t.kind == "F")
+    assert any(t.end > first.start for t in gathers)  # later buckets still travel while the forward runs
+    assert on < off
+
+
+def test_sim_zero_reduce_waits_as_the_engine_does():
+    """On gloo hardware ZeRO-2 now overlaps its reduce-scatters (the engine's overlaps_reduce); with the field off
+    the backward waits for each."""
+    from tests.test_sim import cluster
+
+    hw = cluster(gpus=2, backend="gloo")
+    _, on = _sim(hw, {"parallel.zero": "2"})
+    _, off = _sim(hw, {"parallel.zero": "2", "parallel.zero_overlap_grad_reduce": "false"})
+    assert not any(t.name.startswith("wait bucket") for t in on.graph.tasks)
+    assert any(t.name.startswith("wait bucket") for t in off.graph.tasks)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_sim_pipeline_zero_reduces_before_the_flush(schedule):
+    """pp 2 x dp 2, ZeRO-2: buckets are reduce-scattered once their chunk's last backward has run (before the
+    rank's last computation ends), as the executor's last_backward_actions say -- not with zb-h1."""
+    from tests.test_sim import cluster
+
+    _, b = _sim(cluster(gpus=4), {"parallel.zero": "2", "parallel.pp": "2", "parallel.pp_schedule": schedule,
+                                  "model.n_layers": "4"})
+    for r, last in enumerate(b.last_compute):
+        early = [t for t in b.graph.rank_tasks(r) if t.name.startswith("reduce-scatter") and t.start < last.end]
+        assert bool(early) == (schedule == "1f1b"), r
+
+
+def test_sim_tp_decomposition_hides_communication():
+    """tp 4 with sequence parallelism on H100s: the engine's decomposed layers, run on the simulator's clock,
+    leave less tensor-parallel communication exposed than the blocking collectives, and none of it is
+    negative; every decomposed site of the block and the head is found."""
+    from shardwise.sim.hardware import build_hardware
+    from shardwise.sim.simulate import load_config, simulate
+
+    hw = build_hardware("H100", 1, 8)
+    base = {"model.preset": "custom", "model.flavor": "gpt2", "model.n_layers": "2", "model.d_model": "1024",
+            "model.n_heads": "16", "model.vocab_size": "32768", "data.seq_len": "2048", "model.max_seq_len": "2048",
+            "train.precision": "bf16", "train.global_batch": "4", "train.micro_batch": "1", "parallel.tp": "4",
+            "parallel.sequence_parallel": "true"}
+    plain = simulate(load_config(None, base, hw), hw)
+    over = simulate(load_config(None, {**base, "parallel.tp_comm_overlap": "true"}, hw), hw)
+    assert 0 < over.exposed_s["tp"] < plain.exposed_s["tp"]
+    assert over.step_time_s < plain.step_time_s
+    from shardwise.sim.step import StepBuilder  # noqa: F401 - the layers' sites, as the builder found them
+    from shardwise.sim.tp_overlap import decomposed_exposure
+
+    cfg = load_config(None, {**base, "parallel.tp_comm_overlap": "true"}, hw)
+    from shardwise.sim.costs import RankCosts
+
+    sites = decomposed_exposure(cfg, RankCosts(cfg, hw).roofline, 1, lambda *a: 1e-4, overlap=True)
+    assert set(sites) == {"blocks.0.attn.q_proj", "blocks.0.attn.o_proj", "blocks.0.mlp.fc_in",
+                          "blocks.0.mlp.fc_out", "lm_head"}
+    assert all(f >= 0 and b >= 0 for f, b in sites.values())

@@ -20,13 +20,16 @@ The rounds are those of the algorithm the run uses, as :mod:`shardwise.dist.comm
 host (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009): ring all-reduce 2(N-1) rounds of S/N;
 ring reduce-scatter / all-gather N-1 rounds of S/N; a two-level all-reduce (reduce-scatter inside each node,
 all-reduce across nodes, all-gather inside; Jia et al. 2018 §4.2) where cheaper, as NCCL's tuner or
-:meth:`~shardwise.dist.comm.cost.CostModel.choose` would pick it; pairwise exchanges (gloo ZeRO, all N-1
-blocks at once) and all-to-all (every pair at once); point-to-point sends. Equal messages make a round's
+:meth:`~shardwise.dist.comm.cost.CostModel.choose` would pick it, and the two halves of it as a reduce-scatter
+(inside each node, then across the nodes among the ranks of one local index: one rail each) or an all-gather
+(across, then inside) where cheaper -- what NCCL's rings, one per rail, move per NIC; pairwise exchanges (gloo
+ZeRO, all N-1 blocks at once) and all-to-all (every pair at once); point-to-point sends. Equal messages make a round's
 time linear in its bytes, so each distinct round is solved once per byte and cached.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -162,8 +165,13 @@ class Fabric:
             return [Round(src, dst, 1.0 / n, 1, alphas=n - 1 if collective == "pairwise" else 1)]
         ring = (gs, np.roll(gs, -1, axis=1))
         steps = 2 * (n - 1) if collective == "all-reduce" else n - 1
-        if algorithm == "hierarchical" and collective == "all-reduce":
-            return self._two_level(gs)
+        if algorithm == "hierarchical" and collective in ("all-reduce", "reduce-scatter", "all-gather"):
+            rounds = self._two_level(gs)
+            if collective == "all-reduce":
+                return rounds
+            inside = rounds[:1] if len(rounds) == 3 else []
+            across = dataclasses.replace(rounds[len(inside)], repeat=rounds[len(inside)].repeat // 2)  # N/L - 1
+            return [*inside, across] if collective == "reduce-scatter" else [across, *inside]
         return [Round(ring[0].ravel(), ring[1].ravel(), 1.0 / n, steps)]
 
     def _two_level(self, gs: np.ndarray) -> list[Round]:
@@ -207,7 +215,7 @@ class Fabric:
             return line.seconds(nbytes), "native"
         if algorithm is None:
             algorithm = "ring"
-            if collective == "all-reduce" and self.two_level_possible(groups):
+            if collective in ("all-reduce", "reduce-scatter", "all-gather") and self.two_level_possible(groups):
                 ring = self._seconds(self.rounds(collective, groups, "ring"), nbytes)
                 two = self._seconds(self.rounds(collective, groups, "hierarchical"), nbytes)
                 return self.hw.call_latency + min(ring, two), "ring" if ring <= two else "hierarchical"

@@ -18,10 +18,18 @@ What is taken from the engine rather than described again:
   with a pipeline every bucket is reduced after the flush (Narayanan et al. 2021 §3); ZeRO-3 gathers each
   unit before its forward and again before its backward, the next unit's gather in flight during the current
   unit's compute (prefetch), the root unit once per micro-batch, and reduce-scatters each unit once its last
-  backward is done (Rajbhandari et al. 2020 §5.3; Zhao et al. 2023 §3.3). On gloo ZeRO-2/3 wait for each
-  reduce-scatter at once (``overlap_reduce``), on NCCL they overlap the backward;
+  backward is done (Rajbhandari et al. 2020 §5.3; Zhao et al. 2023 §3.3). Whether a reduce-scatter runs beside
+  backward or is waited for at once is the engine's rule (:func:`shardwise.parallel.zero.reduce.overlaps_reduce`:
+  ZeRO-1/2 as ``parallel.zero_overlap_grad_reduce`` says, ZeRO-3 on GPUs only); in a pipeline ZeRO-1/2 reduce each
+  bucket once the last backward of every chunk it holds has run (the executor's
+  :func:`~shardwise.parallel.pipeline.executor.last_backward_actions`), except from the tied table's bucket on,
+  which waits for the flush; ZeRO-1/2's all-gathers of the updated weights run, with
+  ``parallel.zero_overlap_param_gather``, beside the next step's forward, each piece's forward waiting for the
+  buckets holding its parameters (issued at the step's start in the engine's order,
+  :func:`shardwise.parallel.zero.gather.forward_order`: the steady state of the previous step's gathers);
 * the step around them (:mod:`shardwise.train.loop`): ZeRO's "had a gradient" flags, the global gradient
-  norm's all-reduces (tp, the shard group, pp), the optimizer, ZeRO-1/2's gathers of the updated weights,
+  norm's all-reduces (tp, the shard group, pp), the optimizer, ZeRO-1/2's gathers of the updated weights (unless
+  they overlap the next forward),
   the pipeline's loss all-reduce and timeline gather, the loop's loss all-reduce.
 """
 
@@ -32,8 +40,11 @@ import numpy as np
 from shardwise.config import Config
 from shardwise.dist.mesh import ParallelDims
 from shardwise.parallel.pipeline.checks import pipeline_partition
+from shardwise.parallel.pipeline.executor import last_backward_actions
 from shardwise.parallel.pipeline.partition import partition
 from shardwise.parallel.pipeline.schedules import RECV_F, SEND_B, SEND_F, B, F, W, build_schedule
+from shardwise.parallel.zero.gather import forward_order
+from shardwise.parallel.zero.reduce import overlaps_reduce
 from shardwise.sim.costs import RankCosts
 from shardwise.sim.layers import LayerComm
 from shardwise.sim.network import Fabric
@@ -64,7 +75,6 @@ class StepBuilder:
             self.split = [range(cfg.model.n_layers)]
         model = meta_model(cfg)
         self.params: list[RankParams] = [rank_params(cfg, model, self.stages(r), self.split) for r in range(self.pp)]
-        self.layers = LayerComm(cfg, costs, self._comm_on(0), moe_imbalance)
         self.graph = Graph(self.pp)
         self._comm_cache: dict[tuple, float] = {}
         self._copies: dict[int, list[Task]] = {}
@@ -73,6 +83,16 @@ class StepBuilder:
         self._crosses: dict[str, bool] = {}
         self.algorithms: dict[str, str] = {}
         """Which algorithm each (axis, collective) was costed with (the cheaper of ring and two-level)."""
+        self.layers = LayerComm(cfg, costs, self._comm_on(0), moe_imbalance)
+        self.reduce_overlaps = overlaps_reduce(p.zero, fabric.hw.backend != "gloo", p.zero_overlap_grad_reduce)
+        """Whether ZeRO's reduce-scatters run beside backward (the engine's rule)."""
+        self.gather_overlaps = p.zero in (1, 2) and p.zero_overlap_param_gather and p.dp * p.cp > 1
+        """Whether ZeRO-1/2's weight gathers run beside the next forward."""
+        self._early_reduce = p.zero in (1, 2) and self.reduce_overlaps and p.dp * p.cp > 1
+        """ZeRO-1/2 in a pipeline reduce each bucket during its chunks' last backward (``final_backward``)."""
+        self._final_tasks: dict[tuple[int, int, object], Task] = {}
+        """Per (pipeline rank, chunk, piece): the piece's task in the chunk's last backward (its gradients final after
+        it)."""
 
     def stages(self, r: int) -> list[int]:
         return [c * self.pp + r for c in range(self.v)]
@@ -210,13 +230,25 @@ class StepBuilder:
         for r, actions in enumerate(schedule):
             pending: list[tuple] = []
             previous = None
+            finals = last_backward_actions(actions)
+            gathers = self._param_gathers(r)
             for a in actions:
                 stage = a.chunk * self.pp + r
                 if a.kind in (F, B, W):
                     phase = "B-split" if a.kind == B and split_backward else a.kind
-                    previous = self._task(r, f"{a.kind}{a.mb}" + (f" c{a.chunk}" if self.v > 1 else ""), a.kind,
-                                          self._segments(stage, phase), stage=stage, mb=a.mb, chunk=a.chunk)
-                    waits += [(previous, key) for key in pending]
+                    deps = gathers.pop(a.chunk, []) if a.kind == F else []  # the chunk's first forward
+                    name = f"{a.kind}{a.mb}" + (f" c{a.chunk}" if self.v > 1 else "")
+                    if a in finals and self._early_reduce:  # piece by piece: buckets start as their pieces end
+                        first = None
+                        for pc in self.pieces(stage)[::-1]:
+                            previous = self._task(r, f"{name} {pc}", a.kind, self.layers.segments(pc, phase),
+                                                  deps if first is None else [], stage=stage, mb=a.mb, chunk=a.chunk)
+                            first = first or previous
+                            self._final_tasks[(r, a.chunk, pc)] = previous
+                    else:
+                        first = previous = self._task(r, name, a.kind, self._segments(stage, phase), deps, stage=stage,
+                                                      mb=a.mb, chunk=a.chunk)
+                    waits += [(first, key) for key in pending]
                     pending = []
                 elif a.kind in (SEND_F, SEND_B):
                     dst_stage = stage + (1 if a.kind == SEND_F else -1)
@@ -257,6 +289,7 @@ class StepBuilder:
         n_units = len(rp.groups) if zero3 else 0
         previous: Task | None = None
         self._bucket_tasks: list[Task] = []
+        param_gathers = self._param_gathers(0, by="piece")
         for mb in range(self.m):
             last = mb == self.m - 1
             before = [previous] if previous else []
@@ -267,7 +300,7 @@ class StepBuilder:
                     gathers[1] = self._gather(0, rp.groups[1], before, f"gather u1 mb{mb}")
             for pc in pieces:
                 u = unit_of.get(pc, 0)
-                deps = ([previous] if previous else []) + ([gathers[u]] if zero3 else [])
+                deps = ([previous] if previous else []) + ([gathers[u]] if zero3 else []) + param_gathers.pop(pc, [])
                 if zero3 and u > 0 and pc == first_of[u] and u + 1 < n_units:  # prefetch the next unit
                     gathers[u + 1] = self._gather(0, rp.groups[u + 1], [previous], f"gather u{u + 1} mb{mb}")
                 previous = self._task(0, f"F{mb} {pc}", "F", self.layers.segments(pc, "F"), deps, mb=mb)
@@ -289,7 +322,7 @@ class StepBuilder:
                     continue
                 if zero3 and pc == first_of[u]:  # the unit's gradients are complete: reduce-scatter them
                     rs = self._reduce(0, rp.groups[u], [previous], f"reduce-scatter u{u}")
-                    if self.fabric.hw.backend == "gloo":  # overlap_reduce is off on CPU: backward waits
+                    if not self.reduce_overlaps:  # overlap_reduce is off (ZeRO-3 on CPU): backward waits
                         previous = self._task(0, f"wait u{u}", "wait", [("wait", None, 0.0)], [previous, rs])
                 elif not zero3:
                     ready.add(pc)
@@ -313,11 +346,28 @@ class StepBuilder:
                                     nbytes=nbytes)
             else:
                 t = self._reduce(0, g, [previous], f"reduce-scatter bucket {launched}")
-                if p.zero == 2 and self.fabric.hw.backend == "gloo":
+                if not self.reduce_overlaps:  # the engine waits for it at once
                     previous = self._task(0, f"wait bucket {launched}", "wait", [("wait", None, 0.0)], [previous, t])
             self._bucket_tasks.append(t)
             launched += 1
         return previous, launched
+
+    def _param_gathers(self, r: int, by: str = "chunk") -> dict:
+        """ZeRO-1/2 with ``zero_overlap_param_gather``: the all-gathers of the previous step's updated weights on
+        the data-parallel stream, issued at the step's start in the engine's order; ``{piece or chunk: [the gathers
+        of the buckets holding its parameters]}`` for the forward that waits for them (none without the overlap)."""
+        if not self.gather_overlaps:
+            return {}
+        rp = self.params[r]
+        out: dict = {}
+        for i in forward_order(list(range(len(rp.groups)))):
+            g = rp.groups[i]
+            nbytes = self.unit_bytes(r, g, padded=True)
+            t = self._comm_task([r], f"all-gather bucket {i}", "dp_cp", self.comm("dp_cp", "all-gather", nbytes, r),
+                                nbytes=nbytes)
+            for key in {(rp.pieces if by == "piece" else rp.chunk)[j] for j in g}:
+                out.setdefault(key, []).append(t)
+        return out
 
     def _gather(self, r: int, unit: list[int], deps, name: str, backward: bool = False) -> Task:
         """A ZeRO-3 unit's all-gather; in backward with hpZ, inside the node from the secondary partitions."""
@@ -354,7 +404,11 @@ class StepBuilder:
             prev = ends[r]
             if after_flush and shard > 1:  # every bucket at once after the flush, then waited for
                 deps = [prev]
+                held = not self._early_reduce  # else from each piece's part of its chunk's last backward on
                 for i, g in enumerate(rp.groups):
+                    keys = {(r, rp.chunk[j], rp.pieces[j]) for j in g}
+                    held = held or any(rp.late[j] for j in g) or any(k not in self._final_tasks for k in keys)
+                    start = [prev] if held else [self._final_tasks[k] for k in sorted(keys, key=str)]
                     if p.zero == 0:
                         nbytes = 4.0 * (rp.group_numel(g) + len(g))
                         axis = "edp" if rp.expert[g[0]] else "dp_cp"
@@ -362,7 +416,7 @@ class StepBuilder:
                         deps.append(self._comm_task([r], f"all-reduce bucket {i}", axis, seconds, [prev],
                                                     nbytes=nbytes))
                     else:
-                        deps.append(self._reduce(r, g, [prev], f"reduce-scatter bucket {i}"))
+                        deps.append(self._reduce(r, g, start, f"reduce-scatter bucket {i}"))
                 prev = self._task(r, "wait for gradients", "wait", [("wait", None, 0.0)], deps)
             if p.zero and shard > 1:  # which parameters had a gradient (one uint8 each; our ring on gloo)
                 seconds = self.comm("dp_cp", "all-reduce", float(len(rp.names)), r, native=not self.gloo_zero)
@@ -378,7 +432,7 @@ class StepBuilder:
             rp = self.params[r]
             elements = rp.total if p.zero == 0 else sum(-(-rp.group_numel(g) // shard) for g in rp.groups)
             prev = self._optimizer(r, elements, len(rp.names), ends[r])
-            if p.zero in (1, 2) and shard > 1:
+            if p.zero in (1, 2) and shard > 1 and not self.gather_overlaps:
                 for i, g in enumerate(rp.groups):
                     prev = self._blocking(r, f"all-gather bucket {i}", "dp",
                                           self.comm("dp_cp", "all-gather", self.unit_bytes(r, g, True), r), prev)

@@ -56,6 +56,7 @@ from shardwise.parallel.tensor import state as tp_state
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces
 from shardwise.parallel.zero.meta import materialize_buffers
+from shardwise.parallel.zero.reduce import overlaps_reduce
 from shardwise.train import memory as train_memory
 from shardwise.train.checkpoint import CheckpointError
 from shardwise.train.optim import build_optimizer, decay_groups, optimizer_param_names
@@ -188,7 +189,8 @@ class Engine:
                                 expert_group=expert_group, comm_stats=self.ledger["dp"])
         reduce_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[p.grad_reduce_dtype]
         return ZeroDataParallel(self.module, group=self.group, stage=p.zero, bucket_mb=p.bucket_mb,
-                                overlap_reduce=p.zero_overlap_grad_reduce if p.zero < 3 else None,
+                                overlap_reduce=overlaps_reduce(p.zero, self.device.type == "cuda",
+                                                               p.zero_overlap_grad_reduce),
                                 overlap_param_gather=p.zero_overlap_param_gather, reduce_dtype=reduce_dtype,
                                 unit_blocks=p.zero_unit, offload=p.offload,
                                 param_dtype=torch.bfloat16 if p.zero_param_dtype == "bf16" else None,

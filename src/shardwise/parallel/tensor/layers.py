@@ -45,7 +45,7 @@ from shardwise.dist.functional import (
     reduce_from_region,
     reduce_scatter_seq,
 )
-from shardwise.parallel.tensor.overlap import OverlappedRegion, enter_linear, linear_leave
+from shardwise.parallel.tensor.overlap import OverlappedRegion, Steps, enter_linear, linear_leave
 
 # ---- how a parameter is laid out over the tensor-parallel axis ------------------------------------
 
@@ -244,7 +244,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = weight
         self.bias = bias
         self.entry = EnterRegion(group, stats, sequence_parallel) if enter_region else None
-        self.overlap = overlap and enter_region
+        self.steps = Steps(group, stats) if overlap and enter_region else None
+        """With ``overlap``: how this layer, entering the region itself, communicates (:mod:`.overlap`)."""
         self.region = region
 
     @property
@@ -289,9 +290,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.region is not None:
             return self.region.project(x, self)
-        if self.overlap:
-            e = self.entry
-            return enter_linear(x, self.weight, self.bias, e.group, e.stats, e.sequence_parallel)[0]
+        if self.steps is not None:
+            return enter_linear(x, self.weight, self.bias, self.steps, self.entry.sequence_parallel)[0]
         if self.entry is not None:
             x = self.entry.enter(x)
         return self.local_linear(x, self.weight, self.bias)
@@ -315,7 +315,8 @@ class RowParallelLinear(nn.Module):
         self.weight = weight
         self.bias = bias
         self.group, self.stats, self.sequence_parallel = group, stats, sequence_parallel
-        self.overlap = overlap
+        self.steps = Steps(group, stats) if overlap else None
+        """With ``overlap``: how the matmul and the reduction communicate (:mod:`.overlap`)."""
 
     @property
     def in_features(self) -> int:
@@ -340,8 +341,8 @@ class RowParallelLinear(nn.Module):
         return cls(w, b, group, stats, sequence_parallel=sequence_parallel, overlap=overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.overlap:
-            y = linear_leave(x, self.weight, self.group, self.stats, self.sequence_parallel)
+        if self.steps is not None:
+            y = linear_leave(x, self.weight, self.steps, self.sequence_parallel)
             return y if self.bias is None else y + self.bias
         y = self.local_linear(x, self.weight, None)
         if self.sequence_parallel:

@@ -32,6 +32,8 @@ Not with ``torch.compile`` nor with the zb-h1 schedule's deferred weight gradien
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -44,16 +46,27 @@ TAG = 1 << 21
 
 
 def _autocast(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype ``F.linear`` would compute in here (``torch.autocast``), or None."""
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+    """The dtype ``F.linear`` would compute in here (``torch.autocast``), or None (also on devices without
+    autocast: the simulator's meta tensors)."""
+    device = x.device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
+def _plain(dtype: torch.dtype | None, x: torch.Tensor):
+    """Autocast off while computing in ``dtype`` by hand (nothing to turn off without autocast)."""
+    return torch.autocast(x.device.type, enabled=False) if dtype is not None else contextlib.nullcontext()
 
 
 def _cast(dtype: torch.dtype | None, *tensors):
     return tuple(t if t is None or dtype is None else t.to(dtype) for t in tensors)
 
 
-class _Steps:
-    """The pairwise steps over ``group``: step k sends to rank r + k and receives from rank r - k."""
+class Steps:
+    """The communication of a decomposed collective over ``group``: pairwise steps (step k sends to rank r + k and
+    receives from rank r - k) or chunk all-reduces, and the waits for them. The three schedules below call only
+    this, so the simulator runs them on a clock of its own (:mod:`shardwise.sim.layers`)."""
 
     def __init__(self, group, stats: CommStats | None):
         self.group, self.stats = group, stats if stats is not None else CommStats()
@@ -70,6 +83,11 @@ class _Steps:
         return dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, glob(self.group, src), self.group, TAG),
                                        dist.P2POp(dist.isend, send, glob(self.group, dst), self.group, TAG)])
 
+    def all_reduce(self, piece: torch.Tensor):
+        """Launch the backend's all-reduce (sum) of ``piece`` in place, asynchronously."""
+        self.stats.hand(nbytes(piece), backend=True)
+        return dist.all_reduce(piece, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
     def wait(self, works: list) -> None:
         with self.stats.waiting():
             for w in works:
@@ -80,7 +98,7 @@ def _seq_chunks(x: torch.Tensor, n: int) -> list[torch.Tensor]:
     return list(x.chunk(n, dim=SEQ_DIM))
 
 
-def _gather_then(steps: _Steps, local: torch.Tensor, compute) -> list[torch.Tensor]:
+def gather_then(steps: Steps, local: torch.Tensor, compute) -> list[torch.Tensor]:
     """All-gather ``local`` along the sequence by pairwise steps, calling ``compute(j, chunk_j)`` on the rank's
     own chunk first and on rank j's as it arrives, each step posted one chunk ahead; the chunks by rank."""
     n = steps.n
@@ -99,7 +117,7 @@ def _gather_then(steps: _Steps, local: torch.Tensor, compute) -> list[torch.Tens
     return chunks
 
 
-def _then_reduce_scatter(steps: _Steps, produce) -> torch.Tensor:
+def then_reduce_scatter(steps: Steps, produce) -> torch.Tensor:
     """Reduce-scatter along the sequence by pairwise steps: ``produce(j)`` computes this rank's partial result for
     rank j's chunk, sent while the next one is computed (one step in flight); the own chunk is computed last
     and the partials are added in rank order, so every rank adds its tokens' partials alike."""
@@ -120,18 +138,15 @@ def _then_reduce_scatter(steps: _Steps, produce) -> torch.Tensor:
     return out
 
 
-def _then_all_reduce(group, stats: CommStats, pieces) -> torch.Tensor:
+def then_all_reduce(steps: Steps, pieces) -> torch.Tensor:
     """``pieces``: an iterator of sequence chunks, each all-reduced (the backend's, asynchronously) as soon as it
     is produced, while the next is computed; the sum, concatenated along the sequence."""
     works, outs = [], []
     for piece in pieces:
         piece = piece.contiguous()
-        stats.hand(nbytes(piece), backend=True)
-        works.append(dist.all_reduce(piece, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        works.append(steps.all_reduce(piece))
         outs.append(piece)
-    with stats.waiting():
-        for w in works:
-            w.wait()
+    steps.wait(works)
     return torch.cat(outs, dim=SEQ_DIM)
 
 
@@ -145,12 +160,11 @@ class _EnterLinear(torch.autograd.Function):
     region's input (gathered along the sequence with sequence parallelism) for its other projections."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, stats, sp):
-        steps = _Steps(group, stats)
+    def forward(ctx, x, weight, bias, steps, sp):
         dtype = _autocast(x)
         w, b = _cast(dtype, weight, bias)
-        ctx.dtypes, ctx.group, ctx.stats, ctx.sp = (x.dtype, weight.dtype), group, steps.stats, sp
-        with torch.autocast(x.device.type, enabled=False):
+        ctx.dtypes, ctx.steps, ctx.sp = (x.dtype, weight.dtype), steps, sp
+        with _plain(dtype, x):
             if not sp:
                 ctx.save_for_backward(_cast(dtype, x)[0], w)
                 return F.linear(_cast(dtype, x)[0], w, b), x.view_as(x)
@@ -160,7 +174,7 @@ class _EnterLinear(torch.autograd.Function):
             def project(j: int, chunk: torch.Tensor) -> None:
                 ys[j] = F.linear(_cast(dtype, chunk)[0], w, b)
 
-            chunks = _gather_then(steps, x.contiguous(), project)
+            chunks = gather_then(steps, x.contiguous(), project)
             full = torch.cat(chunks, dim=SEQ_DIM)
             ctx.save_for_backward(_cast(dtype, full)[0], w)
             return torch.cat(ys, dim=SEQ_DIM), full
@@ -169,7 +183,7 @@ class _EnterLinear(torch.autograd.Function):
     def backward(ctx, grad_y, grad_full):
         x, w = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        steps = _Steps(ctx.group, ctx.stats)
+        steps = ctx.steps
         grad_y = grad_y.to(w.dtype)
         n = steps.n if ctx.sp else min(steps.n, grad_y.shape[SEQ_DIM])
         gys = _seq_chunks(grad_y, n)
@@ -181,14 +195,14 @@ class _EnterLinear(torch.autograd.Function):
             return out if extra is None else out + extra[j]
 
         if ctx.sp:
-            ctx.stats.hand(_full_bytes(grad_y, w.shape[1], x_dtype), backend=False)
-            grad_x = _then_reduce_scatter(steps, grad_in)
+            steps.stats.hand(_full_bytes(grad_y, w.shape[1], x_dtype), backend=False)
+            grad_x = then_reduce_scatter(steps, grad_in)
         else:
-            grad_x = _then_all_reduce(ctx.group, ctx.stats, (grad_in(j) for j in range(n)))
+            grad_x = then_all_reduce(steps, (grad_in(j) for j in range(n)))
         dy = grad_y.reshape(-1, grad_y.shape[-1])
         grad_w = dy.t().mm(x.reshape(-1, x.shape[-1])).to(w_dtype)
         grad_b = dy.sum(0).to(w_dtype) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _LinearLeave(torch.autograd.Function):
@@ -196,22 +210,21 @@ class _LinearLeave(torch.autograd.Function):
     reduce-scatter along the sequence; else the all-reduce), decomposed; the bias is added by the caller."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, stats, sp):
-        steps = _Steps(group, stats)
+    def forward(ctx, x, weight, steps, sp):
         dtype = _autocast(x)
         xc, w = _cast(dtype, x, weight)
         ctx.save_for_backward(xc, w)
-        ctx.dtypes, ctx.group, ctx.stats, ctx.sp = (x.dtype, weight.dtype), group, steps.stats, sp
+        ctx.dtypes, ctx.steps, ctx.sp = (x.dtype, weight.dtype), steps, sp
         chunks = _seq_chunks(xc, steps.n)
-        with torch.autocast(x.device.type, enabled=False):
+        with _plain(dtype, x):
             if sp:
                 if x.shape[SEQ_DIM] % steps.n:
                     raise ValueError(f"sequence parallelism: sequence length {x.shape[SEQ_DIM]} does not divide by "
                                      f"tp={steps.n}")
                 steps.stats.hand(_full_bytes(xc, w.shape[0], xc.dtype), backend=False)
-                return _then_reduce_scatter(steps, lambda j: F.linear(chunks[j], w))
+                return then_reduce_scatter(steps, lambda j: F.linear(chunks[j], w))
             chunks = _seq_chunks(xc, min(steps.n, x.shape[SEQ_DIM]))
-            return _then_all_reduce(group, steps.stats, (F.linear(c, w) for c in chunks))
+            return then_all_reduce(steps, (F.linear(c, w) for c in chunks))
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -221,31 +234,32 @@ class _LinearLeave(torch.autograd.Function):
         if not ctx.sp:  # the all-reduce's adjoint is the identity
             grad_x = grad_out.matmul(w).to(x_dtype)
             grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])).to(w_dtype)
-            return grad_x, grad_w, None, None, None
-        steps = _Steps(ctx.group, ctx.stats)
+            return grad_x, grad_w, None, None
+        steps = ctx.steps
         xs = _seq_chunks(x, steps.n)
         grad_x: list[torch.Tensor | None] = [None] * steps.n
         grad_w = torch.zeros(w.shape, dtype=w_dtype, device=w.device)  # the chunks' products, in the weight's dtype
-        ctx.stats.hand(nbytes(grad_out) * steps.n, backend=False)
+        steps.stats.hand(nbytes(grad_out) * steps.n, backend=False)
 
         def backward_chunk(j: int, g: torch.Tensor) -> None:
             grad_x[j] = g.matmul(w).to(x_dtype)
             grad_w.add_(g.reshape(-1, g.shape[-1]).t().mm(xs[j].reshape(-1, x.shape[-1])).to(w_dtype))
 
-        _gather_then(steps, grad_out.contiguous(), backward_chunk)
-        return torch.cat(grad_x, dim=SEQ_DIM), grad_w, None, None, None
+        gather_then(steps, grad_out.contiguous(), backward_chunk)
+        return torch.cat(grad_x, dim=SEQ_DIM), grad_w, None, None
 
 
-def enter_linear(x: torch.Tensor, weight, bias, group, stats: CommStats | None, sequence_parallel: bool):
+def enter_linear(x: torch.Tensor, weight, bias, steps: Steps, sequence_parallel: bool):
     """``(y, x_full)``: the region's first column-parallel projection of ``x`` (this rank's piece of the sequence
-    with sequence parallelism, else the replicated input) and the region's input for its other projections."""
-    return _EnterLinear.apply(x, weight, bias, group, stats, sequence_parallel)
+    with sequence parallelism, else the replicated input) and the region's input for its other projections,
+    communicating through ``steps`` (:class:`Steps` over the tensor-parallel group)."""
+    return _EnterLinear.apply(x, weight, bias, steps, sequence_parallel)
 
 
-def linear_leave(x: torch.Tensor, weight, group, stats: CommStats | None, sequence_parallel: bool) -> torch.Tensor:
-    """The row-parallel ``x W^T`` summed over ``group`` (reduce-scattered along the sequence with sequence
-    parallelism), decomposed as the module docstring says."""
-    return _LinearLeave.apply(x, weight, group, stats, sequence_parallel)
+def linear_leave(x: torch.Tensor, weight, steps: Steps, sequence_parallel: bool) -> torch.Tensor:
+    """The row-parallel ``x W^T`` summed over the group of ``steps`` (reduce-scattered along the sequence with
+    sequence parallelism), decomposed as the module docstring says."""
+    return _LinearLeave.apply(x, weight, steps, sequence_parallel)
 
 
 class OverlappedRegion:
@@ -256,7 +270,8 @@ class OverlappedRegion:
     the input it entered; a forward hook forgets them."""
 
     def __init__(self, group, stats: CommStats | None, sequence_parallel: bool):
-        self.group, self.stats, self.sequence_parallel = group, stats, sequence_parallel
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.steps = Steps(group, stats)
         self.local = self.full = self.stand_in = None
 
     def __call__(self, module, args: tuple) -> tuple:
@@ -276,7 +291,6 @@ class OverlappedRegion:
             raise RuntimeError(f"{type(layer).__name__}: with parallel.tp_comm_overlap a region's column-parallel "
                                "projections must read the region's input itself")
         if self.full is None:
-            y, self.full = enter_linear(self.local, layer.weight, layer.bias, self.group, self.stats,
-                                        self.sequence_parallel)
+            y, self.full = enter_linear(self.local, layer.weight, layer.bias, self.steps, self.sequence_parallel)
             return y
         return layer.local_linear(self.full, layer.weight, layer.bias)

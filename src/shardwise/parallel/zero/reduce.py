@@ -27,6 +27,13 @@ from shardwise.parallel.zero.flat import FlatUnit
 from shardwise.parallel.zero.quant import reduce_scatter_int8
 
 
+def overlaps_reduce(stage: int, on_gpu: bool, requested: bool = True) -> bool:
+    """Whether ZeRO's reduce-scatters run beside backward (``ZeroDataParallel(overlap_reduce=)``): stages 1-2 as
+    ``requested`` (``parallel.zero_overlap_grad_reduce``) on every device, stage 3 on GPUs only (see the wrapper's
+    ``overlap_reduce``). The simulator asks the same (:mod:`shardwise.sim.step`)."""
+    return requested if stage < 3 else on_gpu
+
+
 class GradReduction:
     """Backward-time hooks of a ZeRO engine: count, reduce-scatter, hand the slices to the masters."""
 

@@ -91,7 +91,7 @@ from shardwise.parallel.zero.hpz import NodePartition, node_groups
 from shardwise.parallel.zero.meta import check_ranks_agree, structure_hash
 from shardwise.parallel.zero.offload import MasterStore
 from shardwise.parallel.zero.pipeline import PipelineFlush
-from shardwise.parallel.zero.reduce import BufferPool, GradReduction
+from shardwise.parallel.zero.reduce import BufferPool, GradReduction, overlaps_reduce
 from shardwise.parallel.zero.stage3 import Stage3Hooks
 
 
@@ -281,7 +281,7 @@ class ZeroDataParallel(GradReduction, ParamGather, Stage3Hooks, PipelineFlush, n
         self.direct_exchange = self.world > 1 and exchange.use_exchange(group, self.units[0].shard)
         """Reduce-scatter and all-gather by direct exchange (:mod:`.exchange`): gloo's own are slower."""
         if overlap_reduce is None:
-            overlap_reduce = self.units[0].shard.is_cuda or stage < 3
+            overlap_reduce = overlaps_reduce(stage, self.units[0].shard.is_cuda)
         self.overlap_reduce = overlap_reduce
         self.overlap_param_gather = overlap_param_gather
         self.reduce_dtype = reduce_dtype
