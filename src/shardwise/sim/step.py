@@ -231,22 +231,25 @@ class StepBuilder:
             pending: list[tuple] = []
             previous = None
             finals = last_backward_actions(actions)
-            gathers = self._param_gathers(r)
+            gathers = self._param_gathers(r, by=("chunk", "piece"))
             for a in actions:
                 stage = a.chunk * self.pp + r
                 if a.kind in (F, B, W):
                     phase = "B-split" if a.kind == B and split_backward else a.kind
-                    deps = gathers.pop(a.chunk, []) if a.kind == F else []  # the chunk's first forward
                     name = f"{a.kind}{a.mb}" + (f" c{a.chunk}" if self.v > 1 else "")
-                    if a in finals and self._early_reduce:  # piece by piece: buckets start as their pieces end
-                        first = None
-                        for pc in self.pieces(stage)[::-1]:
+                    waiting = a.kind == F and any(k[0] == a.chunk for k in gathers)  # the chunk's first forward
+                    if waiting or (a in finals and self._early_reduce):  # piece by piece: each forward piece waits
+                        first = None  # for its own buckets' gathers, each bucket starts as its last piece ends
+                        pieces = self.pieces(stage) if a.kind == F else self.pieces(stage)[::-1]
+                        for pc in pieces:
                             previous = self._task(r, f"{name} {pc}", a.kind, self.layers.segments(pc, phase),
-                                                  deps if first is None else [], stage=stage, mb=a.mb, chunk=a.chunk)
+                                                  gathers.pop((a.chunk, pc), []) if waiting else [], stage=stage,
+                                                  mb=a.mb, chunk=a.chunk)
                             first = first or previous
-                            self._final_tasks[(r, a.chunk, pc)] = previous
+                            if a.kind == B:
+                                self._final_tasks[(r, a.chunk, pc)] = previous
                     else:
-                        first = previous = self._task(r, name, a.kind, self._segments(stage, phase), deps, stage=stage,
+                        first = previous = self._task(r, name, a.kind, self._segments(stage, phase), stage=stage,
                                                       mb=a.mb, chunk=a.chunk)
                     waits += [(first, key) for key in pending]
                     pending = []
@@ -289,7 +292,7 @@ class StepBuilder:
         n_units = len(rp.groups) if zero3 else 0
         previous: Task | None = None
         self._bucket_tasks: list[Task] = []
-        param_gathers = self._param_gathers(0, by="piece")
+        param_gathers = self._param_gathers(0)
         for mb in range(self.m):
             last = mb == self.m - 1
             before = [previous] if previous else []
@@ -352,22 +355,25 @@ class StepBuilder:
             launched += 1
         return previous, launched
 
-    def _param_gathers(self, r: int, by: str = "chunk") -> dict:
+    def _param_gathers(self, r: int, by: tuple[str, ...] = ("piece",)) -> dict:
         """ZeRO-1/2 with ``zero_overlap_param_gather``: the all-gathers of the previous step's updated weights on
-        the data-parallel stream, issued at the step's start in the engine's order; ``{piece or chunk: [the gathers
-        of the buckets holding its parameters]}`` for the forward that waits for them (none without the overlap)."""
+        the data-parallel stream, issued at the step's start in the engine's order; ``{piece, or (chunk, piece):
+        [the gathers of the buckets holding its parameters]}`` for the forward that waits for them (empty without
+        the overlap)."""
         if not self.gather_overlaps:
             return {}
         rp = self.params[r]
+        lists = {"piece": rp.pieces, "chunk": rp.chunk}
         out: dict = {}
         for i in forward_order(list(range(len(rp.groups)))):
             g = rp.groups[i]
             nbytes = self.unit_bytes(r, g, padded=True)
             t = self._comm_task([r], f"all-gather bucket {i}", "dp_cp", self.comm("dp_cp", "all-gather", nbytes, r),
                                 nbytes=nbytes)
-            for key in {(rp.pieces if by == "piece" else rp.chunk)[j] for j in g}:
-                out.setdefault(key, []).append(t)
-        return out
+            for j in g:
+                key = tuple(lists[k][j] for k in by)
+                out.setdefault(key[0] if len(key) == 1 else key, []).append(t)
+        return {k: list(dict.fromkeys(v)) for k, v in out.items()}
 
     def _gather(self, r: int, unit: list[int], deps, name: str, backward: bool = False) -> Task:
         """A ZeRO-3 unit's all-gather; in backward with hpZ, inside the node from the secondary partitions."""
