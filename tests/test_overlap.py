@@ -309,3 +309,38 @@ def test_sim_tp_decomposition_hides_communication():
     assert set(sites) == {"blocks.0.attn.q_proj", "blocks.0.attn.o_proj", "blocks.0.mlp.fc_in",
                           "blocks.0.mlp.fc_out", "lm_head"}
     assert all(f >= 0 and b >= 0 for f, b in sites.values())
+
+
+def _reduce_dtypes():
+    """Rank body: ZeRO-2 with bf16 flat parameters and gradients, reduce-scattered in their own bf16 or in fp32
+    (``reduce_dtype``, FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)): the slices, the fp32 sum of
+    the ranks' bf16 gradients, and the bytes handed."""
+    import torch.distributed as dist
+
+    from shardwise.config import Config
+    from shardwise.config_resolve import resolve
+    from shardwise.model import Transformer
+    from shardwise.parallel.zero import ZeroDataParallel
+
+    cfg = resolve(Config.load(overrides={"model.preset": "tiny"}), world_size=2, tokenizer_vocab=256)
+    out = []
+    for dtype in (None, torch.float32):
+        torch.manual_seed(0)
+        model = Transformer(cfg.model)
+        model.reset_parameters(0)
+        engine = ZeroDataParallel(model, stage=2, param_dtype=torch.bfloat16, reduce_dtype=dtype)
+        x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            engine(x, x).backward()
+        out.append(([g.clone() for g, _ in engine.grad_pieces()], engine.comm_stats.pop().handed))
+    (bf16, handed_bf16), (fp32, handed_fp32) = out
+    return max((a - b).abs().max().item() / b.abs().max().clamp_min(1e-12).item() for a, b in zip(bf16, fp32,
+                                                                                                  strict=True)), \
+        handed_fp32 - handed_bf16, sum(u.padded_numel * 2 for u in engine.units)
+
+
+def test_fp32_reduction_of_bf16_gradients():
+    """The gradient slices differ by bf16's rounding of the sum, and the reduce-scatter hands twice the bytes."""
+    for rel, extra, bf16_bytes in run_on_ranks(2, _reduce_dtypes):
+        assert 0 < rel < 2 ** -7
+        assert extra == bf16_bytes

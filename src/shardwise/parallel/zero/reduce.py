@@ -211,8 +211,9 @@ class GradReduction:
                 return
             self._inflight.pop(0)
             self.comm_stats.wait(work)
-            if out.dtype != u.dtype:  # reduced in ``reduce_dtype``: back to the flat gradients' dtype
-                out = u.own_slice(u.grad_full).copy_(out) if self.stage == 1 else out.to(u.dtype)
+            if torch.promote_types(out.dtype, u.dtype) != out.dtype:  # reduced in a narrower ``reduce_dtype``:
+                out = u.own_slice(u.grad_full).copy_(out) if self.stage == 1 else out.to(u.dtype)  # back to the flat's
+            # (a wider one, e.g. fp32 beside bf16 flat gradients, stays so: the optimizer's masters read it in fp32)
             if self.stage == 1 or u.grad_shard is None:
                 u.grad_shard = out
             else:

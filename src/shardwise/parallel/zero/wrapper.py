@@ -42,8 +42,8 @@ Inside a pipeline gradients accumulate unsharded and ZeRO-3 units stay gathered 
 allows it (:meth:`~.pipeline.PipelineFlush.final_backward`).
 
 Gradient communication dtype (``reduce_dtype``, FSDP2's ``MixedPrecisionPolicy.reduce_dtype``): the flat
-gradient is cast to it for the reduce-scatter only; accumulation over micro-batches, the gradient shard the
-optimizer reads and the optimizer itself stay in the flat buffers' dtype (fp32 unless ``param_dtype``).
+gradient is cast to it for the reduce-scatter only; accumulation over micro-batches stays in the flat buffers'
+dtype (fp32 unless ``param_dtype``), the reduced slice keeps the wider of the two dtypes, the optimizer steps in fp32.
 
 Mixed precision: the trainer keeps fp32 parameters and lets ``torch.autocast`` make the
 low-precision compute copies, so by default the flat parameter buffers are fp32 and the master
@@ -162,7 +162,8 @@ class ZeroDataParallel(GradReduction, ParamGather, Stage3Hooks, PipelineFlush, n
             and let each module's forward pre-hook wait only for its own units (:mod:`.gather`); False: wait
             for every gather in ``after_step``.
         reduce_dtype: dtype the gradients are reduce-scattered in (e.g. ``torch.bfloat16``; default: the flat
-            gradients' own); accumulation and the optimizer stay in the flat buffers' dtype.
+            gradients' own); micro-batches accumulate in the flat buffers' dtype, the reduced slice is kept in the
+            wider of the two (fp32 beside bf16 flat gradients), and the optimizer steps fp32 masters.
         param_init: for parameters on the meta device, ``param_init(name, param)`` returns the full
             initial value of one parameter (``name`` as in ``module.named_parameters()``), the same on
             every rank; ZeRO-3 keeps only this rank's slices, so the full model is never in memory, and
