@@ -1,4 +1,4 @@
-"""Benchmark: our ZeRO-1/2/3 against torch's ``ZeroRedundancyOptimizer`` and ``fully_shard`` (FSDP2).
+"""Benchmark: our ZeRO-1/2/3 against torch's ``ZeroRedundancyOptimizer`` and ``fully_shard`` (FSDP2), and DeepSpeed.
 
 Every variant trains the same shardwise Transformer (``cpu-demo`` shape, widened to ~25M
 parameters) with AdamW in fp32. Step time (forward + backward + optimizer step, slowest rank) is
@@ -9,10 +9,16 @@ ranks), the peak RSS above the RSS before the model was built ("state + activati
 variants differ) and the largest RSS sampled during training steps; then the ratios ours / peer:
 
 * ZeRO-1 and ZeRO-2 against ``DistributedDataParallel`` + ``ZeroRedundancyOptimizer`` (stage 1);
-* ZeRO-3 against ``fully_shard`` applied to every block and to the root (stage 3).
+* ZeRO-3 against ``fully_shard`` applied to every block and to the root (stage 3);
+* ZeRO-1/2/3 against DeepSpeed's ZeRO of the same stage (``deepspeed.initialize`` with the same model, data,
+  seed and ``torch.optim.AdamW`` as a client optimizer, fp32, no clipping; DeepSpeed's CPU accelerator,
+  ``DS_ACCELERATOR=cpu``, on the same gloo group), when DeepSpeed is installed (``pip install 'shardwise[bench]'``,
+  DeepSpeed 0.19.8): step time, peak RSS and the largest per-step difference of the losses (rank 0's batch,
+  from the single-variant runs).
 
     python bench/bench_zero.py                       # 2 and 4 ranks, writes bench/results/zero.json
     python bench/bench_zero.py --worlds 2 --steps 5  # quicker
+    python bench/bench_zero.py --worlds 2 --variants zero1 zero2 zero3 deepspeed1 deepspeed2 deepspeed3
 
 Memory: worker processes start with ``MALLOC_MMAP_THRESHOLD_=65536`` (``--mmap-threshold``), for
 every variant alike. glibc otherwise raises its mmap threshold dynamically after the first large
@@ -43,8 +49,16 @@ import torch.multiprocessing as mp
 from shardwise.dist import free_port, shutdown_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results" / "zero.json"
-VARIANTS = ("zero1", "torch_zero_redundancy", "zero2", "zero3", "torch_fully_shard")
-PAIRS = (("zero1", "torch_zero_redundancy"), ("zero2", "torch_zero_redundancy"), ("zero3", "torch_fully_shard"))
+DEEPSPEED = ("deepspeed1", "deepspeed2", "deepspeed3")
+VARIANTS = ("zero1", "torch_zero_redundancy", "zero2", "zero3", "torch_fully_shard", *DEEPSPEED)
+PAIRS = (("zero1", "torch_zero_redundancy"), ("zero2", "torch_zero_redundancy"), ("zero3", "torch_fully_shard"),
+         ("zero1", "deepspeed1"), ("zero2", "deepspeed2"), ("zero3", "deepspeed3"))
+
+
+def have_deepspeed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
 
 
 def _rss() -> int:
@@ -59,6 +73,8 @@ def build_model(args):
 
     overrides = {"model.preset": "cpu-demo", "model.d_model": str(args.d_model),
                  "model.n_layers": str(args.n_layers), "data.seq_len": str(args.seq_len)}
+    if getattr(args, "n_heads", None):
+        overrides["model.n_heads"] = str(args.n_heads)
     cfg = resolve(Config.load(overrides=overrides), world_size=2, tokenizer_vocab=257).model
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -87,7 +103,35 @@ def _wrap(variant: str, model, args):
             fully_shard(block)
         fully_shard(model)
         return model, torch.optim.AdamW(model.parameters(), **adamw)
+    if variant in DEEPSPEED:  # the same AdamW as DeepSpeed's client optimizer, fp32, its ZeRO of that stage
+        import deepspeed
+
+        for key, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", dist.get_rank()),
+                           ("WORLD_SIZE", dist.get_world_size())):
+            os.environ.setdefault(key, str(value))  # what a launcher sets; the gloo group is ours already
+        config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": int(variant[-1]),
+                                        "reduce_bucket_size": int(args.bucket_mb * 2**20 / 4),
+                                        "allgather_bucket_size": int(args.bucket_mb * 2**20 / 4)},
+                  "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+                  "fp16": {"enabled": False}, "bf16": {"enabled": False}, "steps_per_print": 10**9}
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), **adamw),
+                                               config=config, dist_init_required=False)
+        return engine, None
     raise ValueError(variant)
+
+
+def _train_step(net, opt, x) -> torch.Tensor:
+    """Forward, backward, optimizer step and zeroed gradients of one batch; the loss."""
+    loss = net(x, x)
+    if opt is None:  # a DeepSpeed engine steps (and zeroes) itself
+        net.backward(loss)
+        net.step()
+        return loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
 
 
 def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None:
@@ -101,13 +145,8 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
         x = torch.randint(0, 257, (args.batch, args.seq_len), generator=g)
         dist.barrier()
         t0 = time.perf_counter()
-        loss = net(x, x)
+        loss = _train_step(net, opt, x)
         sampled = max(sampled, _rss())
-        loss.backward()
-        sampled = max(sampled, _rss())
-        opt.step()
-        sampled = max(sampled, _rss())
-        opt.zero_grad(set_to_none=True)
         t = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if step >= args.warmup:
@@ -139,9 +178,7 @@ def _time_worker(rank: int, world: int, port: int, variants: list[str], args, qu
             net, opt = nets[v]
             dist.barrier()
             t0 = time.perf_counter()
-            net(x, x).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            _train_step(net, opt, x)
             t = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if step >= args.warmup:
@@ -161,7 +198,8 @@ def _launch(fn, what, world: int, args):
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="numbers of ranks")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", choices=VARIANTS,
+                   help="default: every variant (DeepSpeed's where it is installed)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--memory-steps", type=int, default=3, help="steps of each single-variant memory run")
@@ -175,6 +213,12 @@ def main(argv=None) -> dict:
                    help="MALLOC_MMAP_THRESHOLD_ for the workers (glibc; 0: leave the allocator's default)")
     p.add_argument("--json", default=str(RESULTS))
     args = p.parse_args(argv)
+    if args.variants is None:
+        args.variants = [v for v in VARIANTS if v not in DEEPSPEED or have_deepspeed()]
+    if any(v in DEEPSPEED for v in args.variants):
+        if not have_deepspeed():
+            p.error("the DeepSpeed variants need DeepSpeed: pip install 'shardwise[bench]' (deepspeed==0.19.8)")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator, read by the workers
     if args.mmap_threshold:  # read by glibc at start-up of each spawned worker
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     out = {"benchmark": "ZeRO: shardwise ZeRO-1/2/3 vs torch ZeroRedundancyOptimizer and fully_shard",
@@ -209,6 +253,7 @@ def main(argv=None) -> dict:
                     "peak_rss_above_start": a["peak_rss_above_start_bytes"] / b["peak_rss_above_start_bytes"],
                     "training_rss_above_start": a["training_rss_above_start_bytes"]
                     / b["training_rss_above_start_bytes"],
+                    "loss_max_abs_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True)),
                 }
         out["worlds"][str(world)] = {"runs": runs, "ratios": ratios}
         out["parameters"] = next(iter(runs.values()))["parameters"]
@@ -216,11 +261,12 @@ def main(argv=None) -> dict:
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nmodel {out['parameters'] / 1e6:.1f}M parameters, fp32, gloo; ratios ours / peer:")
     print(f"{'ranks':<6}{'pair':<38}{'step time':>10}{'peak RSS':>10}{'peak above start':>18}"
-          f"{'training RSS above start':>26}")
+          f"{'training RSS above start':>26}{'max |loss diff|':>17}")
     for world, r in out["worlds"].items():
         for pair, q in r["ratios"].items():
             print(f"{world:<6}{pair:<38}{q['step_time']:>10.2f}{q['peak_rss']:>10.2f}"
-                  f"{q['peak_rss_above_start']:>18.2f}{q['training_rss_above_start']:>26.2f}")
+                  f"{q['peak_rss_above_start']:>18.2f}{q['training_rss_above_start']:>26.2f}"
+                  f"{q['loss_max_abs_diff']:>17.2e}")
     return out
 
 

@@ -100,6 +100,19 @@ def test_zero1_with_interleaving_zb_h1_and_offload_equals_one_process(runs, name
     assert_same_training(runs[name], _reference(runs, name), atol=1e-5)
 
 
+def test_zero2_reduces_each_chunk_during_its_last_backward(runs):
+    """ZeRO-2 in a pipeline reduce-scatters units before the flush (parallel.zero_overlap_grad_reduce) where the
+    schedule allows -- not zb-h1, whose weight gradients accumulate outside autograd -- and trains the same model
+    (the equivalence test above)."""
+    def reduced(name: str) -> float:
+        rows = [json.loads(line) for line in (runs[1] / name / "metrics.jsonl").read_text().splitlines()]
+        return [r["dp_reduced_in_backward"] for r in rows if "dp_reduced_in_backward" in r][-1]
+
+    for name in ("z2-gpipe", "z2-1f1b", "z2-interleaved"):
+        assert reduced(name) > 0, name
+    assert reduced("z2-zb-h1") == 0
+
+
 def test_zero1_with_int8_gradients(runs):
     """ZeRO++ qgZ inside a pipeline: close to one process within the rounding (module docstring), and the
     gradient bytes shrink: per step each replica reduce-scatters int8 (+ one fp32 scale per 256) instead of

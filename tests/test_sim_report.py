@@ -28,17 +28,21 @@ def _by_axis(causes) -> dict[str, float]:
 
 
 def test_zero1_gather_after_the_step_is_named_with_the_overlap_that_would_hide_it():
-    res = _sim(cluster(gpus=2), **{"parallel.zero": 1, "parallel.bucket_mb": "0.05"})
+    res = _sim(cluster(gpus=2), **{"parallel.zero": 1, "parallel.bucket_mb": "0.05",
+                                   "parallel.zero_overlap_param_gather": "false"})
     causes = exposure.causes(res)
     assert _by_axis(causes) == pytest.approx(res.exposed_s, rel=1e-9)  # every exposed second has its cause
     gather = next(c for c in causes if c.what.startswith("all-gather bucket"))
     assert gather.how == "blocking" and gather.calls == len(res.builder.params[0].groups) > 1
     assert gather.after == "the optimizer step" and gather.waited_by == "the next step's forward of the embedding"
-    assert "--overlap-param-gather" in gather.hidden_by
+    assert "parallel.zero_overlap_param_gather true" in gather.hidden_by
     assert gather.exposed_s == pytest.approx(sum(t.duration for t in res.graph.tasks
                                                  if t.name.startswith("all-gather bucket")), rel=1e-12)
     text = "\n".join(exposure.text(res))
     assert "all-gather bucket 0.." in text and "--overlap-param-gather" in text
+    overlapped = _sim(cluster(gpus=2), **{"parallel.zero": 1, "parallel.bucket_mb": "0.05"})  # the default
+    assert all(c.how != "blocking" for c in exposure.causes(overlapped) if c.what.startswith("all-gather bucket"))
+    assert overlapped.exposed_s.get("dp", 0.0) < res.exposed_s["dp"]
 
 
 def test_pipeline_buckets_after_the_flush_and_tensor_parallel_collectives_inside_the_passes():

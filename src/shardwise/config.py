@@ -44,6 +44,7 @@ OFFLOADS = ("none", "cpu", "disk")
 ZERO_PARAM_DTYPES = ("fp32", "bf16")
 EP_DISPATCHES = ("exchange", "padded")
 """parallel.ep_dispatch (shardwise.parallel.expert.dispatch / .padded)."""
+GRAD_REDUCE_DTYPES = ("auto", "fp32", "bf16")
 PP_SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 """parallel.pp_schedule (the same as shardwise.parallel.pipeline.SCHEDULES, which needs torch)."""
 PP_PARTITIONS = ("even", "params", "flops")
@@ -81,7 +82,8 @@ CHOICES: dict[str, tuple] = {
     "data.format": DATA_FORMATS, "data.tokenizer": TOKENIZERS,
     "train.precision": PRECISIONS, "train.objective": OBJECTIVES, "train.recompute": RECOMPUTE_MODES,
     "parallel.zero": ZERO_STAGES, "parallel.offload": OFFLOADS,
-    "parallel.zero_param_dtype": ZERO_PARAM_DTYPES, "parallel.pp_schedule": PP_SCHEDULES,
+    "parallel.zero_param_dtype": ZERO_PARAM_DTYPES, "parallel.grad_reduce_dtype": GRAD_REDUCE_DTYPES,
+    "parallel.pp_schedule": PP_SCHEDULES,
     "parallel.pp_partition": PP_PARTITIONS, "parallel.backend": BACKENDS, "run.device": DEVICES,
     "comm.algorithm": COMM_ALGORITHMS, "comm.compression": COMM_COMPRESSIONS,
     "parallel.cp_algorithm": CP_ALGORITHMS, "parallel.cp_balance": CP_BALANCES,
@@ -374,6 +376,28 @@ class ParallelConfig:
     """With zero = 3: ranks per node for ZeRO++ hierarchical partitioning (hpZ): a secondary copy of
     each unit's parameters sharded over that many consecutive dp ranks keeps backward gathers
     inside the node; exact. 1 = off; must divide parallel.dp."""
+    zero_overlap_param_gather: bool = True
+    """With zero = 1 or 2: launch the all-gather of the updated parameters after the optimizer step without
+    waiting; each module's forward pre-hook waits only for the units holding its own parameters, so the
+    next forward (a pipeline's first micro-batch) runs beside the gathers of later layers (Megatron-Core's
+    --overlap-param-gather). Exact; false waits for every gather before the next forward."""
+    zero_overlap_grad_reduce: bool = True
+    """With zero = 1 or 2: reduce-scatter each gradient bucket as soon as the last micro-batch's backward has
+    completed it, beside the rest of backward, on every device (gloo: the direct exchange's messages travel
+    on gloo's transport threads), and inside a pipeline during each chunk's last backward where the schedule
+    allows (not zb-h1); Megatron-Core's --overlap-grad-reduce. Exact; false waits for each reduce-scatter
+    at once (pipelines: reduce after the flush)."""
+    grad_reduce_dtype: str = "auto"
+    """The dtype gradients travel in when they are averaged over the data-parallel group, plain all-reduce or
+    ZeRO's reduce-scatter (FSDP2's reduce_dtype): "auto" (the gradients' own: fp32, or bf16 under
+    zero_param_dtype = "bf16"), "fp32" or "bf16" (half the bytes; lossy). Only the communication is cast:
+    micro-batches accumulate and the optimizer steps in the gradients' own dtype."""
+    tp_comm_overlap: bool = False
+    """With tp > 1: overlap tensor- and sequence-parallel communication with the matmul next to it by
+    decomposition (Wang et al. 2022): the sequence all-gather before a column-parallel projection and the
+    reduce-scatter (all-reduce without sequence parallelism) after a row-parallel one are cut into tp chunks,
+    chunk k travelling while chunk k-1 is multiplied (shardwise.parallel.tensor.overlap). Equal within
+    rounding (the matmuls are cut by rows)."""
     pp_schedule: str = "1f1b"
     """With pp > 1: "naive", "gpipe", "1f1b", "interleaved" (with pp_virtual >= 2 chunks per rank) or "zb-h1"."""
     microbatches: int | None = None

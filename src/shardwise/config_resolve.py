@@ -61,6 +61,7 @@ UNUSED: list[Callable[[Config], list[Unused]]] = [
     train_checks.unused,
     pipeline_checks.unused,
     zero_checks.unused,
+    tensor_checks.unused,
     context_checks.unused,
     dist_checks.unused,
     comm_checks.unused,

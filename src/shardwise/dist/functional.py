@@ -28,11 +28,14 @@ Splits are equal: the size being split must divide by the group size (gloo canno
 unequal pieces); a ``ValueError`` says which size does not. Every collective records the vector it
 hands to the backend in ``stats`` (:class:`~shardwise.dist.comm.counting.CommStats`, convention of
 that module: the tensor of an all-reduce, the output of an all-gather, the input of a
-reduce-scatter) before calling it. A group of one rank makes every function the identity and records
-nothing.
+reduce-scatter) before calling it, and the seconds the call blocks (``stats.waiting``: every one of
+these is waited for at once, so all of it is exposed). A group of one rank makes every function the
+identity and records nothing.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -50,12 +53,17 @@ def _size(group) -> int:
     return dist.get_world_size(group)
 
 
+def _timed(stats: CommStats | None):
+    return stats.waiting() if stats is not None else contextlib.nullcontext()
+
+
 def _all_reduce(x: torch.Tensor, group, stats: CommStats | None) -> torch.Tensor:
     """Sum of ``x`` over the group, in a new tensor (never in place: autograd may share ``x``)."""
     out = x.contiguous().clone()
     if stats is not None:
         stats.hand(nbytes(out), backend=True)
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    with _timed(stats):
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
@@ -81,7 +89,8 @@ def _all_gather(x: torch.Tensor, dim: int, group, stats: CommStats | None) -> to
     buf = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # the backend's flat form
     if stats is not None:
         stats.hand(nbytes(buf), backend=True)
-    dist.all_gather_single(buf, x, group=group)
+    with _timed(stats):
+        dist.all_gather_single(buf, x, group=group)
     buf = buf.unflatten(0, (n, x.shape[0]))
     # [n, ..., s, ...] -> [..., n, s, ...] -> [..., n*s, ...]
     dim = dim % x.dim()
@@ -97,7 +106,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, stats: CommStats | None) -
     out = torch.empty(pieces.shape[1:], dtype=x.dtype, device=x.device)
     if stats is not None:
         stats.hand(nbytes(pieces), backend=True)
-    dist.reduce_scatter_single(out, pieces.flatten(0, 1), op=dist.ReduceOp.SUM, group=group)
+    with _timed(stats):
+        dist.reduce_scatter_single(out, pieces.flatten(0, 1), op=dist.ReduceOp.SUM, group=group)
     return out
 
 

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.dist.comm.background import CommThread, Job
+from shardwise.dist.comm.counting import CommStats
 
 AllReduceFn = Callable[[torch.Tensor, "dist.ProcessGroup | None"], "dist.Work | None"]
 """``fn(tensor, group) -> Work | None``: sum ``tensor`` in place over ``group``; may return
@@ -208,8 +209,10 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0,
                  broadcast_from: int = 0, all_reduce_fn: AllReduceFn | None = None, comm_thread: bool | None = None,
-                 expert_group: dist.ProcessGroup | None = None, last_bucket_mb: float | None = None):
+                 expert_group: dist.ProcessGroup | None = None, last_bucket_mb: float | None = None,
+                 comm_stats: CommStats | None = None):
         super().__init__()
+        self.comm_stats = comm_stats if comm_stats is not None else CommStats()
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -382,11 +385,10 @@ class DataParallel(nn.Module):
                         b.flags[pos] = 0
                 self._launch(b)
             if self._thread is not None:
-                self._thread.join()  # re-raises a failure of the communication thread here
+                with self.comm_stats.waiting():
+                    self._thread.join()  # re-raises a failure of the communication thread here
             for b in self._buckets:
-                work = b.work.result if isinstance(b.work, Job) else b.work
-                if work is not None:
-                    work.wait()
+                self.comm_stats.wait(b.work.result if isinstance(b.work, Job) else b.work)
                 for pos, (p, view) in enumerate(zip(b.params, b.views, strict=True)):
                     if p.grad is None:
                         if b.flags[pos].item() != 0:  # another rank had a gradient: take the average

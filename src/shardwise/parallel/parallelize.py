@@ -49,7 +49,7 @@ def parallelize(part: nn.Module, mesh: Mesh, cfg, ledger: CommLedger) -> nn.Modu
     if mesh.size("tp") > 1:
         apply_tensor_parallel(part, mesh.group("tp"), ledger["tp"],
                               sequence_parallel=cfg.parallel.sequence_parallel, cfg=cfg.model,
-                              split_experts=cfg.parallel.etp > 1)
+                              split_experts=cfg.parallel.etp > 1, overlap=cfg.parallel.tp_comm_overlap)
     if mesh.size("cp") > 1:
         apply_context_parallel(part, mesh, cfg, ledger["cp"])
     sp = cfg.parallel.sequence_parallel and mesh.size("tp") > 1

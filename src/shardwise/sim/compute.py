@@ -70,6 +70,33 @@ class Trace:
     """Bytes of the call's inputs and output (what a fused kernel of the whole call reads and writes)."""
 
 
+def measure(func, args, kwargs, out, weight_shapes=frozenset(), backward: bool = False) -> Op | None:
+    """The :class:`Op` of one aten call (``None``: a view, or not an aten operator -- collectives are costed by
+    the communication model)."""
+    if func.is_view or func._opname in ("detach", "_unsafe_view", "lift_fresh") or func.namespace != "aten":
+        return None
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
+    if func._opname == "embedding":  # a gather: the rows it reads, not the whole table
+        tensors = tensors[1:]
+    nbytes = sum(t.numel() * 4 for t in tensors + outs)
+    flops = 0.0
+    name = func._opname
+    shape = None
+    if name in MATMULS:
+        a, b = (tensors[-2], tensors[-1]) if name != "_grouped_mm" else (tensors[0], tensors[1])
+        flops = 2.0 * a.numel() * b.shape[-1]
+        shape = _matmul_shape(name, a, b)
+    elif name in FUSED_ATTENTION:
+        is_backward = name.endswith("_backward")
+        q, k = (args[1], args[2]) if is_backward else (args[0], args[1])
+        at = 7 if is_backward else 4
+        causal = (kwargs or {}).get("is_causal", args[at] if len(args) > at else False)
+        flops = 4.0 * q.numel() * k.shape[-2] * (0.5 if causal else 1.0) * (2.5 if is_backward else 1.0)
+    wgrad = backward and bool(outs) and (tuple(outs[0].shape) in weight_shapes) and (name in MATMULS or name == "sum")
+    return Op(name, flops, float(nbytes), wgrad, shape)
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, weight_shapes: set[tuple[int, ...]]):
         super().__init__()
@@ -79,29 +106,9 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.is_view or func._opname in ("detach", "_unsafe_view", "lift_fresh") or func.namespace != "aten":
-            return out  # views are free; collectives (c10d) are costed by the communication model
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
-        if func._opname == "embedding":  # a gather: the rows it reads, not the whole table
-            tensors = tensors[1:]
-        nbytes = sum(t.numel() * 4 for t in tensors + outs)
-        flops = 0.0
-        name = func._opname
-        shape = None
-        if name in MATMULS:
-            a, b = (tensors[-2], tensors[-1]) if name != "_grouped_mm" else (tensors[0], tensors[1])
-            flops = 2.0 * a.numel() * b.shape[-1]
-            shape = _matmul_shape(name, a, b)
-        elif name in FUSED_ATTENTION:
-            backward = name.endswith("_backward")
-            q, k = (args[1], args[2]) if backward else (args[0], args[1])
-            at = 7 if backward else 4
-            causal = (kwargs or {}).get("is_causal", args[at] if len(args) > at else False)
-            flops = 4.0 * q.numel() * k.shape[-2] * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
-        wgrad = self.backward and bool(outs) and (tuple(outs[0].shape) in self.weight_shapes) and \
-            (name in MATMULS or name == "sum")
-        self.ops.append(Op(name, flops, float(nbytes), wgrad, shape))
+        op = measure(func, args, kwargs, out, self.weight_shapes, self.backward)
+        if op is not None:
+            self.ops.append(op)
         return out
 
 

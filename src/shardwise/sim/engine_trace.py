@@ -9,8 +9,9 @@ autograd functions and the vocabulary-parallel loss, ring attention's block pair
 router, sort, index and dispatch of a mixture-of-experts block -- are costed like the model's own; the
 collectives themselves are not recorded (:mod:`shardwise.sim.layers` costs them on the cluster's links).
 
-Recomputation and ``torch.compile`` are left out of the rewrite (:mod:`shardwise.sim.costs` adds the recomputed
-forward). Dense pieces are traced on the ``meta`` device (any size, no arithmetic). A mixture-of-experts block's
+Recomputation, ``torch.compile`` and the decomposition of tensor-parallel collectives are left out of the rewrite
+(:mod:`shardwise.sim.costs` adds the recomputed forward, :mod:`shardwise.sim.tp_overlap` the decomposition).
+Dense pieces are traced on the ``meta`` device (any size, no arithmetic). A mixture-of-experts block's
 dispatch reads its split sizes on the host, which the meta device cannot give: it is traced with real CPU tensors
 of the true shapes (random inputs: balanced routing on average) when its block and activations are small
 enough to compute here (:data:`REAL_LIMIT` elements), else it is left to :mod:`shardwise.sim.costs`'s estimate.
@@ -66,7 +67,8 @@ def engine_traces(cfg: Config, batch: int, device: str = "meta") -> dict[str, Tr
     "moe" block when the model has one that :func:`fits_here` (on real CPU tensors, whatever ``device``)."""
     key = (repr(cfg.model), repr(cfg.parallel), cfg.data.seq_len, batch, device)
     if key not in _MEMO:
-        plain = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none", compile=False))
+        plain = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none", compile=False),
+                                    parallel=dataclasses.replace(cfg.parallel, tp_comm_overlap=False))
         dims = trace_dims(cfg)
         if dims.world_size == 1 and dims.ep == 1:
             traces = _traces(plain, None, batch, device)

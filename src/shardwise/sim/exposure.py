@@ -121,24 +121,25 @@ Hint = Callable[["Exposed", object], "str | None"]
 def _zero_gather(piece: Exposed, res) -> str | None:
     if piece.how == "blocking":
         return ("would be hidden by an overlapped parameter all-gather: each bucket gathered behind the next "
-                "step's forward, in forward order, each piece waiting only for its own bucket (Megatron-Core "
-                "--overlap-param-gather)")
+                "step's forward, in forward order, each piece waiting only for its own bucket "
+                "(parallel.zero_overlap_param_gather true; Megatron-Core --overlap-param-gather)")
     return "already overlapped with the next forward; exposed where less forward precedes the bucket's first use"
 
 
 def _bucket(piece: Exposed, res) -> str | None:
     p, hw = res.cfg.parallel, res.hw
-    if p.pp > 1:
+    if p.pp > 1 and not (p.zero in (1, 2) and p.zero_overlap_grad_reduce):
         return ("would be hidden by reducing each bucket as soon as the last micro-batch's backward has filled it, "
-                "inside the pipeline's cool-down (Megatron-Core --overlap-grad-reduce with a pipeline); the engine "
-                "reduces every bucket after the flush")
+                "inside the pipeline's cool-down (Megatron-Core --overlap-grad-reduce with a pipeline): ZeRO-1/2 "
+                "with parallel.zero_overlap_grad_reduce true do; plain data parallelism reduces after the flush")
     if piece.how == "blocking" and not hw.overlap:
         return "none on this hardware: its collectives take the cores that compute (sim.overlap = false)"
-    if hw.backend == "gloo" and p.zero == 2:
-        return ("would be hidden by launching it during the backward and waiting at the end, as on GPUs (the engine "
-                "waits for each reduce-scatter at once on CPU: overlap_reduce)")
+    if p.zero in (1, 2) and not p.zero_overlap_grad_reduce:
+        return ("would be hidden by launching it during the backward and waiting at the end "
+                "(parallel.zero_overlap_grad_reduce true)")
     return ("the last buckets to fill have no backward left to hide behind: a smaller last bucket "
-            "(parallel.bucket_mb) or a 16-bit reduction (FSDP2's reduce_dtype) shortens them")
+            "(parallel.bucket_mb) or a 16-bit reduction (parallel.grad_reduce_dtype bf16, as FSDP2's reduce_dtype) "
+            "shortens them")
 
 
 def _unit_gather(piece: Exposed, res) -> str | None:
@@ -164,7 +165,7 @@ def _tp(piece: Exposed, res) -> str | None:
                                                         "all-gather and reduce-scatter)"
     return ("would be hidden by tensor-parallel communication overlap: the all-gather before and the reduce-scatter "
             "after each GEMM cut into chunks, chunk k's transfer beside chunk k-1's product (Wang et al. 2022; "
-            "Megatron-Core --tp-comm-overlap)" + sp)
+            "parallel.tp_comm_overlap true; Megatron-Core --tp-comm-overlap)" + sp)
 
 
 def _pp(piece: Exposed, res) -> str | None:

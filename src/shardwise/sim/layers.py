@@ -21,6 +21,10 @@ What each technique sends per block and micro-batch is the engine's:
 * expert parallelism: per MoE block the split sizes and the tokens out and back by all-to-all forward, two
   all-to-alls backward (GShard, Lepikhin et al. 2021 §3.2); with an imbalance, the busiest rank's share.
 
+With ``parallel.tp_comm_overlap`` the collectives the engine decomposes with their matmuls (each region's entry,
+every row-parallel layer's exit, the head's entry) cost only what the engine's own schedules leave exposed on the
+simulator's clock (:mod:`shardwise.sim.tp_overlap`).
+
 Recomputation repeats the forward's collectives inside the backward (full: all; selective: the attention's).
 """
 
@@ -34,6 +38,7 @@ from shardwise.model.transformer import head_dim_of
 from shardwise.parallel.tensor.plan import PLANS, block_plan, style_of
 from shardwise.sim.costs import RankCosts
 from shardwise.sim.params import EMBED, HEAD
+from shardwise.sim.tp_overlap import decomposed_exposure
 
 Segment = tuple[str, "str | None", float]
 CommFn = Callable[[str, str, float], float]
@@ -52,6 +57,10 @@ class LayerComm:
         self._cache: dict[tuple, list[Segment]] = {}
         self.tp, self.sp, self.cp, self.ep = p.tp, p.sequence_parallel, p.cp, p.ep
         self.overlap = costs.hw.overlap
+        self.decomposed: dict[str, tuple[float, float]] | None = None
+        """With tp_comm_overlap: exposed (forward, backward) seconds of each decomposed site (:mod:`.tp_overlap`)."""
+        if p.tp > 1 and p.tp_comm_overlap:
+            self.decomposed = decomposed_exposure(cfg, costs.roofline, costs.batch, comm, self.overlap)
 
     # ---- per piece -------------------------------------------------------------------------------------
 
@@ -106,11 +115,17 @@ class LayerComm:
         regions = sum(1 for path, s in plan.items() if s == "region" and not (moe and path == "mlp"))
         rowwise = sum(1 for path, s in plan.items() if s == "rowwise" and not (moe and path.startswith("mlp.")))
         full = t.recompute == "full" and layer % t.recompute_every == 0
-        fwd = self._tp_block(regions, rowwise, "F") + self._cp_block("F") + self._ep_block(moe, "F") + \
+        if self.decomposed is not None:
+            def tp(phase: str) -> list[Segment]:
+                return self._tp_decomposed("blocks.0.", phase, skip="blocks.0.mlp." if moe else None)
+        else:
+            def tp(phase: str) -> list[Segment]:
+                return self._tp_block(regions, rowwise, phase)
+        fwd = tp("F") + self._cp_block("F") + self._ep_block(moe, "F") + \
             self._etp_block(moe, "F")
         if phase == "F":
             return fwd
-        bwd = self._tp_block(regions, rowwise, "B") + self._cp_block("B") + self._ep_block(moe, "B") + \
+        bwd = tp("B") + self._cp_block("B") + self._ep_block(moe, "B") + \
             self._etp_block(moe, "B")
         bwd += self._tp_grad_sync(layer)
         if full:
@@ -128,6 +143,12 @@ class LayerComm:
         gathers, scatters = (regions, rowwise) if phase == "F" else (rowwise, regions)
         return self._tp("sp all-gather", "all-gather", self.act, gathers) + \
             self._tp("sp reduce-scatter", "reduce-scatter", self.act, scatters)
+
+    def _tp_decomposed(self, prefix: str, phase: str, skip: str | None = None) -> list[Segment]:
+        """The exposed part of the decomposed collectives of the sites under ``prefix`` (not under ``skip``)."""
+        seconds = sum(s[0 if phase == "F" else 1] for path, s in self.decomposed.items()
+                      if path.startswith(prefix) and not (skip and path.startswith(skip)))
+        return [("tp decomposed (exposed)", "tp", seconds)] if seconds else []
 
     def _tp_grad_sync(self, layer: int) -> list[Segment]:
         """Partial gradients of the parameters the plan leaves whole (sequence parallel) and of replicated
@@ -172,9 +193,15 @@ class LayerComm:
         loss = [("loss all-reduce", "cp", self.comm("cp", "all-reduce", 8.0))] if self.cp > 1 and phase == "F" else []
         if self.tp == 1 or phase == "W":
             return loss
+        decomposed = self.decomposed is not None and "lm_head" in self.decomposed
         if phase == "F":
-            sp = self._tp("head all-gather", "all-gather", self.act) if self.sp else []
+            if decomposed:
+                sp = self._tp_decomposed("lm_head", "F")
+            else:
+                sp = self._tp("head all-gather", "all-gather", self.act) if self.sp else []
             return sp + self._tp("vocab-parallel loss", "all-reduce", 4.0 * tokens, 3) + loss
+        if decomposed:
+            return self._tp_decomposed("lm_head", "B")
         return self._tp("head reduce-scatter" if self.sp else "head all-reduce",
                         "reduce-scatter" if self.sp else "all-reduce", self.act)
 

@@ -39,6 +39,11 @@ class RankParams:
     pieces: list = field(default_factory=list)
     """``"embed"``, ``"head"`` or the block's layer id: whose backward produces the gradient."""
     expert: list[bool] = field(default_factory=list)
+    chunk: list[int] = field(default_factory=list)
+    """The rank's chunk (pipeline model chunk, 0 without a pipeline) holding the parameter."""
+    late: list[bool] = field(default_factory=list)
+    """Whether a pipeline changes its gradient after the flush (a chunk's ``tied_weight``: the tied table's copies
+    add their gradients), so ZeRO reduces it only then (``ZeroDataParallel._late``)."""
     groups: list[list[int]] = field(default_factory=list)
     """Buckets (DataParallel, ZeRO-1/2) or units (ZeRO-3, root first) as indices into the lists above, in the
     order their collectives are issued."""
@@ -106,7 +111,8 @@ def rank_params(cfg: Config, model: nn.Module, stages: list[int], split: list[ra
     out = RankParams()
     seen: set[int] = set()
     last = len(split) - 1
-    for part, stage in zip(parts, stages, strict=True):
+    for chunk, (part, stage) in enumerate(zip(parts, stages, strict=True)):
+        tied = getattr(part, "tied_weight", None) if cfg.parallel.pp > 1 else None
         for name, param in part.named_parameters():
             if not param.requires_grad or id(param) in seen:
                 continue
@@ -116,6 +122,8 @@ def rank_params(cfg: Config, model: nn.Module, stages: list[int], split: list[ra
             head_copy = name.startswith("tok_emb") and stage == last and stage != 0  # the tied table's last copy
             out.pieces.append(HEAD if head_copy else _piece(name))
             out.expert.append(p.ep > 1 and ".experts." in name)
+            out.chunk.append(chunk)
+            out.late.append(param is tied)
     if p.zero == 3:
         out.groups = _stage3_units(out, cfg.parallel.zero_unit)
         return out

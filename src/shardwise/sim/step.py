@@ -20,10 +20,18 @@ What is taken from the engine rather than described again:
   unit's compute (prefetch), the root unit once per micro-batch, and reduce-scatters each unit once its last
   backward is done (Rajbhandari et al. 2020 §5.3; Zhao et al. 2023 §3.3), where the engine's hooks issue them
   (:mod:`shardwise.sim.zero3`). Expert weights under expert parallelism are bucketed and sliced over their
-  replicas (mesh axis ``edp``), the rest over dp x cp. On gloo ZeRO-2/3 wait for each reduce-scatter at once
-  (``overlap_reduce``), on NCCL they overlap the backward;
+  replicas (mesh axis ``edp``), the rest over dp x cp. Whether a reduce-scatter runs beside backward or is
+  waited for at once is the engine's rule (:func:`shardwise.parallel.zero.reduce.overlaps_reduce`: ZeRO-1/2 as
+  ``parallel.zero_overlap_grad_reduce`` says, ZeRO-3 on GPUs only); in a pipeline ZeRO-1/2 reduce each bucket once
+  the last backward of every chunk it holds has run (the executor's
+  :func:`~shardwise.parallel.pipeline.executor.last_backward_actions`), except from the tied table's bucket on,
+  which waits for the flush; ZeRO-1/2's all-gathers of the updated weights run, with
+  ``parallel.zero_overlap_param_gather``, beside the next step's forward, each piece's forward waiting for the
+  buckets holding its parameters (issued at the step's start in the engine's order,
+  :func:`shardwise.parallel.zero.gather.forward_order`: the steady state of the previous step's gathers);
 * the step around them (:mod:`shardwise.train.loop`): ZeRO's "had a gradient" flags, the global gradient
-  norm's all-reduces (tp, the shard group, pp), the optimizer, ZeRO-1/2's gathers of the updated weights,
+  norm's all-reduces (tp, the shard group, pp), the optimizer, ZeRO-1/2's gathers of the updated weights (unless
+  they overlap the next forward),
   the pipeline's loss all-reduce and timeline gather, the loop's loss all-reduce.
 """
 
@@ -33,8 +41,11 @@ import numpy as np
 
 from shardwise.config import Config
 from shardwise.dist.mesh import ParallelDims
+from shardwise.parallel.pipeline.executor import last_backward_actions
 from shardwise.parallel.pipeline.partition import config_split
 from shardwise.parallel.pipeline.schedules import RECV_F, SEND_B, SEND_F, B, F, W, build_schedule
+from shardwise.parallel.zero.gather import forward_order
+from shardwise.parallel.zero.reduce import overlaps_reduce
 from shardwise.sim.costs import RankCosts
 from shardwise.sim.layers import LayerComm
 from shardwise.sim.network import Fabric
@@ -65,7 +76,6 @@ class StepBuilder:
             self.split = [range(cfg.model.n_layers)]
         model = meta_model(cfg)
         self.params: list[RankParams] = [rank_params(cfg, model, self.stages(r), self.split) for r in range(self.pp)]
-        self.layers = LayerComm(cfg, costs, self._comm_on(0), moe_imbalance)
         self.graph = Graph(self.pp)
         self._comm_cache: dict[tuple, float] = {}
         self._copies: dict[int, list[Task]] = {}
@@ -74,6 +84,16 @@ class StepBuilder:
         self._crosses: dict[str, bool] = {}
         self.algorithms: dict[str, str] = {}
         """Which algorithm each (axis, collective) was costed with (the cheaper of ring and two-level)."""
+        self.layers = LayerComm(cfg, costs, self._comm_on(0), moe_imbalance)
+        self.reduce_overlaps = overlaps_reduce(p.zero, fabric.hw.backend != "gloo", p.zero_overlap_grad_reduce)
+        """Whether ZeRO's reduce-scatters run beside backward (the engine's rule)."""
+        self.gather_overlaps = p.zero in (1, 2) and p.zero_overlap_param_gather and p.dp * p.cp > 1
+        """Whether ZeRO-1/2's weight gathers run beside the next forward."""
+        self._early_reduce = p.zero in (1, 2) and self.reduce_overlaps and p.dp * p.cp > 1
+        """ZeRO-1/2 in a pipeline reduce each bucket during its chunks' last backward (``final_backward``)."""
+        self._final_tasks: dict[tuple[int, int, object], Task] = {}
+        """Per (pipeline rank, chunk, piece): the piece's task in the chunk's last backward (its gradients final after
+        it)."""
 
     def stages(self, r: int) -> list[int]:
         return [c * self.pp + r for c in range(self.v)]
@@ -214,13 +234,28 @@ class StepBuilder:
         for r, actions in enumerate(schedule):
             pending: list[tuple] = []
             previous = None
+            finals = last_backward_actions(actions)
+            gathers = self._param_gathers(r, by=("chunk", "piece"))
             for a in actions:
                 stage = a.chunk * self.pp + r
                 if a.kind in (F, B, W):
                     phase = "B-split" if a.kind == B and split_backward else a.kind
-                    previous = self._task(r, f"{a.kind}{a.mb}" + (f" c{a.chunk}" if self.v > 1 else ""), a.kind,
-                                          self._segments(stage, phase), stage=stage, mb=a.mb, chunk=a.chunk)
-                    waits += [(previous, key) for key in pending]
+                    name = f"{a.kind}{a.mb}" + (f" c{a.chunk}" if self.v > 1 else "")
+                    waiting = a.kind == F and any(k[0] == a.chunk for k in gathers)  # the chunk's first forward
+                    if waiting or (a in finals and self._early_reduce):  # piece by piece: each forward piece waits
+                        first = None  # for its own buckets' gathers, each bucket starts as its last piece ends
+                        pieces = self.pieces(stage) if a.kind == F else self.pieces(stage)[::-1]
+                        for pc in pieces:
+                            previous = self._task(r, f"{name} {pc}", a.kind, self.layers.segments(pc, phase),
+                                                  gathers.pop((a.chunk, pc), []) if waiting else [], stage=stage,
+                                                  mb=a.mb, chunk=a.chunk)
+                            first = first or previous
+                            if a.kind == B:
+                                self._final_tasks[(r, a.chunk, pc)] = previous
+                    else:
+                        first = previous = self._task(r, name, a.kind, self._segments(stage, phase), stage=stage,
+                                                      mb=a.mb, chunk=a.chunk)
+                    waits += [(first, key) for key in pending]
                     pending = []
                 elif a.kind in (SEND_F, SEND_B):
                     dst_stage = stage + (1 if a.kind == SEND_F else -1)
@@ -256,13 +291,14 @@ class StepBuilder:
         zero3 = Stage3Hooks(self, 0, pieces) if p.zero == 3 and shard > 1 else None
         previous: Task | None = None
         self._bucket_tasks: list[Task] = []
+        param_gathers = self._param_gathers(0)
         for mb in range(self.m):
             last = mb == self.m - 1
             if zero3:
                 zero3.start(mb, backward=False)
             for pc in pieces:
                 deps = [previous] if previous else []
-                deps += zero3.before(pc, deps) if zero3 else []
+                deps += (zero3.before(pc, deps) if zero3 else []) + param_gathers.pop(pc, [])
                 previous = self._task(0, f"F{mb} {pc}", "F", self.layers.segments(pc, "F"), deps, mb=mb)
             if zero3:
                 zero3.start(mb, backward=True)
@@ -297,7 +333,7 @@ class StepBuilder:
                                     nbytes=nbytes)
             else:
                 t = self._reduce(0, launched, [previous], f"reduce-scatter bucket {launched}")
-                if p.zero == 2 and self.fabric.hw.backend == "gloo":
+                if not self.reduce_overlaps:  # the engine waits for it at once
                     previous = self._task(0, f"wait bucket {launched}", "wait", [("wait", None, 0.0)], [previous, t])
             self._bucket_tasks.append(t)
             launched += 1
@@ -307,6 +343,27 @@ class StepBuilder:
         """The group a bucket's or ZeRO unit's collectives run over: its expert replicas ("edp") for expert weights
         under expert parallelism (the engine's ``expert_group``), else the dp x cp ranks ("dp_cp")."""
         return "edp" if self.params[r].expert[unit[0]] else "dp_cp"
+
+    def _param_gathers(self, r: int, by: tuple[str, ...] = ("piece",)) -> dict:
+        """ZeRO-1/2 with ``zero_overlap_param_gather``: the all-gathers of the previous step's updated weights on
+        the data-parallel stream, issued at the step's start in the engine's order; ``{piece, or (chunk, piece):
+        [the gathers of the buckets holding its parameters]}`` for the forward that waits for them (empty without
+        the overlap)."""
+        if not self.gather_overlaps:
+            return {}
+        rp = self.params[r]
+        lists = {"piece": rp.pieces, "chunk": rp.chunk}
+        out: dict = {}
+        for i in forward_order(list(range(len(rp.groups)))):
+            g = rp.groups[i]
+            nbytes = self.unit_bytes(r, g, padded=True)
+            axis = self.unit_axis(r, g)
+            t = self._comm_task([r], f"all-gather bucket {i}", axis, self.comm(axis, "all-gather", nbytes, r),
+                                nbytes=nbytes)
+            for j in g:
+                key = tuple(lists[k][j] for k in by)
+                out.setdefault(key[0] if len(key) == 1 else key, []).append(t)
+        return {k: list(dict.fromkeys(v)) for k, v in out.items()}
 
     def unit_world(self, r: int, unit: list[int]) -> int:
         """The ranks ``unit`` is sliced over (:meth:`unit_axis`)."""
@@ -356,7 +413,11 @@ class StepBuilder:
             prev = ends[r]
             if after_flush and shard > 1:  # every bucket at once after the flush, then waited for
                 deps = [prev]
+                held = not self._early_reduce  # else from each piece's part of its chunk's last backward on
                 for i, g in enumerate(rp.groups):
+                    keys = {(r, rp.chunk[j], rp.pieces[j]) for j in g}
+                    held = held or any(rp.late[j] for j in g) or any(k not in self._final_tasks for k in keys)
+                    start = [prev] if held else [self._final_tasks[k] for k in sorted(keys, key=str)]
                     if p.zero == 0:
                         nbytes = 4.0 * (rp.group_numel(g) + len(g))
                         axis = self.unit_axis(r, g)
@@ -364,7 +425,7 @@ class StepBuilder:
                         deps.append(self._comm_task([r], f"all-reduce bucket {i}", axis, seconds, [prev],
                                                     nbytes=nbytes))
                     else:
-                        deps.append(self._reduce(r, i, [prev], f"reduce-scatter bucket {i}"))
+                        deps.append(self._reduce(r, i, start, f"reduce-scatter bucket {i}"))
                 prev = self._task(r, "wait for gradients", "wait", [("wait", None, 0.0)], deps)
             if p.zero and shard > 1:  # which parameters had a gradient (one uint8 each; our ring on gloo)
                 seconds = self.comm("dp_cp", "all-reduce", float(len(rp.names)), r, native=not self.gloo_zero)
@@ -381,7 +442,7 @@ class StepBuilder:
             elements = rp.total if p.zero == 0 else sum(-(-rp.group_numel(g) // self.unit_world(r, g))
                                                          for g in rp.groups)
             prev = self._optimizer(r, elements, len(rp.names), ends[r])
-            if p.zero in (1, 2) and shard > 1:
+            if p.zero in (1, 2) and shard > 1 and not self.gather_overlaps:
                 for i, g in enumerate(rp.groups):
                     axis = self.unit_axis(r, g)
                     prev = self._blocking(r, f"all-gather bucket {i}", axis,

@@ -81,15 +81,16 @@ class Stage3Hooks:
         return [self.gathers[u] for u in units if u > 0]
 
     def after_backward(self, pc, previous: Task) -> Task:
-        """The reduce-scatters of the units piece ``pc``'s backward completes, in the engine's order; on gloo
-        (``overlap_reduce`` off) the backward waits for each. Returns what the next computation follows."""
+        """The reduce-scatters of the units piece ``pc``'s backward completes, in the engine's order; where the
+        engine's :func:`~shardwise.parallel.zero.reduce.overlaps_reduce` says no (ZeRO-3 on CPU) the backward waits
+        for each. Returns what the next computation follows."""
         b = self.builder
         self.ready.update(u for u in self.of.get(pc, ()) if self.first[u] == pc)
         while self.launched < self.n and self.order[self.launched] in self.ready:
             u = self.order[self.launched]
             rs = b._reduce(self.r, u, [previous], f"reduce-scatter u{u}")
             self.launched += 1
-            if b.fabric.hw.backend == "gloo":
+            if not b.reduce_overlaps:  # the engine's rule (overlaps_reduce): ZeRO-3 waits on CPU
                 previous = b._task(self.r, f"wait u{u}", "wait", [("wait", None, 0.0)], [previous, rs])
         return previous
 

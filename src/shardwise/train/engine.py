@@ -27,6 +27,7 @@ names and optimizer indices (:class:`ReferenceOrder`), loaded back resharded to 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -55,6 +56,7 @@ from shardwise.parallel.tensor import state as tp_state
 from shardwise.parallel.zero import ZeroDataParallel, ZeroOptimizer
 from shardwise.parallel.zero.checkpoint import zero_checkpoint_pieces
 from shardwise.parallel.zero.meta import materialize_buffers
+from shardwise.parallel.zero.reduce import overlaps_reduce
 from shardwise.train import memory as train_memory
 from shardwise.train.checkpoint import CheckpointError
 from shardwise.train.optim import build_optimizer, decay_groups, optimizer_param_names
@@ -181,11 +183,17 @@ class Engine:
     def _wrap(self, run_dir: Path):
         p = self.cfg.parallel
         expert_group = self.mesh.group("edp") if self.ep_group is not None else None  # replicas of my experts
-        if not self.zero:
+        if not self.zero:  # a gradient dtype of its own is the all-reduce's cast (comm.compression, unset then)
+            comm = self.cfg.comm if p.grad_reduce_dtype == "auto" else dataclasses.replace(
+                self.cfg.comm, compression="none" if p.grad_reduce_dtype == "fp32" else p.grad_reduce_dtype)
             return DataParallel(self.module, group=self.group, bucket_mb=p.bucket_mb,
-                                all_reduce_fn=gradient_all_reduce(self.cfg.comm, self.ledger["dp"], p.nproc),
-                                expert_group=expert_group)
+                                all_reduce_fn=gradient_all_reduce(comm, self.ledger["dp"], p.nproc),
+                                expert_group=expert_group, comm_stats=self.ledger["dp"])
+        reduce_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[p.grad_reduce_dtype]
         return ZeroDataParallel(self.module, group=self.group, stage=p.zero, bucket_mb=p.bucket_mb,
+                                overlap_reduce=overlaps_reduce(p.zero, self.device.type == "cuda",
+                                                               p.zero_overlap_grad_reduce),
+                                overlap_param_gather=p.zero_overlap_param_gather, reduce_dtype=reduce_dtype,
                                 unit_blocks=p.zero_unit, offload=p.offload,
                                 param_dtype=torch.bfloat16 if p.zero_param_dtype == "bf16" else None,
                                 offload_dir=p.offload_dir or str(run_dir / "offload"),
@@ -283,9 +291,14 @@ class Engine:
         attention work and the experts' load (each a small collective; not looked for when off). With MoE
         blocks it also ends the routers' step: their load summed over the global batch moves the
         ``sigmoid_bias`` routers' balancing biases (:func:`~shardwise.parallel.expert.router_step.router_step`),
-        not where ``skipped`` (a 0-dim device flag) is 1; the loop calls it once after every
-        optimizer step."""
+        not where ``skipped`` (a 0-dim device flag) is 1; the loop calls it once after every optimizer step.
+        ``dp_reduced_in_backward``: the gradient buckets (ZeRO: units) whose reduction the last step launched
+        during backward -- before it ended, or in a pipeline before the flush -- rather than after it."""
         out = self.schedule.step_metrics()
+        early = getattr(self.wrapper, "overlapped_units_last_step", None)
+        early = getattr(self.wrapper, "overlapped_buckets_last_step", None) if early is None else early
+        if early is not None and self.mesh.size("dp_cp") > 1:
+            out["dp_reduced_in_backward"] = float(early)
         if self.mesh.size("cp") > 1:
             out.update(pop_attention_work(self.module))
         if self.cfg.model.n_experts:

@@ -9,8 +9,9 @@ the data-parallel wrapper's gradients averaged over its group:
 * :class:`PipelineSchedule` (``parallel.pp > 1``): the pipeline schedule (GPipe, 1F1B, interleaved,
   ZB-H1; :class:`~shardwise.parallel.pipeline.Pipeline`) runs every micro-batch's forward and backward
   with gradients accumulating, then the wrapper reduces them once, after the flush (Narayanan et al.
-  2021 §3). Under ZeRO-2/3 the gradients accumulate unsharded and ZeRO-3 keeps a stage's parameters
-  gathered from its first forward to the flush (``ZeroDataParallel.pipeline_step``). The last stage's
+  2021 §3) -- ZeRO-1/2 start with each chunk's units during its last backward where the schedule allows
+  (``ZeroDataParallel.final_backward``). Under ZeRO-2/3 the gradients accumulate unsharded and ZeRO-3 keeps a
+  stage's parameters gathered from its first forward to the flush (``ZeroDataParallel.pipeline_step``). The last stage's
   loss, plus the auxiliary router losses of earlier stages' mixture-of-experts blocks, is summed along the
   pipeline; each step's timelines are gathered for the measured bubble (§2.2) and ``timeline.json``.
 """
@@ -98,7 +99,7 @@ class PipelineSchedule:
         y = torch.cat([b[1] for b in batches])
         self.pipe.loss_scale = scaler.scale_tensor if scaler else None
         with self.wrapper.pipeline_step():  # gradients accumulate over the schedule ...
-            loss = self.pipe.step(x, y, dropout_key)
+            loss = self.pipe.step(x, y, dropout_key, final_backward=getattr(self.wrapper, "final_backward", None))
         self.wrapper.reduce_gradients()  # ... and are averaged once, after the flush
         self.timelines = gather_timelines(self.pipe.timeline, self.pp_group)
         # the single-process loss: the last stage's (with its blocks' auxiliary losses) and earlier stages' aux

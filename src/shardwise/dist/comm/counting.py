@@ -18,10 +18,21 @@ tensors it is handed -- never from a cost formula. Two quantities are kept apart
 
 The planner predicts the same names from its formulas (:mod:`shardwise.plan.compare`); the two are
 independent, so ``shardwise plan --compare`` checks one against the other.
+
+A third quantity is a clock, not a count: **exposed** (``<axis>_exposed_s``), the seconds the calling
+(compute) thread spent waiting for this axis's communication -- inside a blocking collective, or in the
+``wait()`` of one launched earlier -- measured with ``time.perf_counter`` around each wait
+(:meth:`CommStats.waiting`). What overlapped the computation costs nothing here; what did not is the time
+the step lost to the axis. It is a host clock: on CPU ranks (gloo) it is the exposed communication itself;
+on a GPU a wait on an NCCL handle returns once the compute stream is told to wait, so there it measures
+only what the host waited (the stream's own stalls need device events).
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +57,8 @@ class CommStats:
     """Point-to-point messages sent."""
     calls: int = 0
     """Collective and send calls recorded."""
+    waited_s: float = 0.0
+    """Seconds the calling thread waited for this axis's communication (see the module docstring)."""
 
     def hand(self, size: int, backend: bool) -> None:
         """Record one collective call on a vector of ``size`` bytes (``backend``: the backend's own algorithm)."""
@@ -59,10 +72,26 @@ class CommStats:
         self.bytes_sent += int(size)
         self.messages += 1
 
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Time the block as waiting for this axis's communication (``with stats.waiting(): work.wait()``)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.waited_s += time.perf_counter() - t0
+
+    def wait(self, work) -> None:
+        """``work.wait()``, timed as :meth:`waiting` (``None``: nothing to wait for)."""
+        if work is not None:
+            with self.waiting():
+                work.wait()
+
     def pop(self) -> CommStats:
         """This period's counts; the counters restart from zero."""
-        out = CommStats(self.handed, self.backend_handed, self.bytes_sent, self.messages, self.calls)
+        out = CommStats(self.handed, self.backend_handed, self.bytes_sent, self.messages, self.calls, self.waited_s)
         self.handed = self.backend_handed = self.bytes_sent = self.messages = self.calls = 0
+        self.waited_s = 0.0
         return out
 
 
@@ -80,11 +109,12 @@ class CommLedger:
 
     def pop_metrics(self) -> dict[str, float]:
         """This step's counts as metrics: ``comm_bytes`` (handed, every axis), ``<axis>_sent_bytes``
-        (handed, per axis), ``comm_backend_bytes`` (handed to the backend's own collectives) and,
-        only when every byte of the step travelled by point-to-point sends that were counted,
-        ``comm_sent_bytes`` (on the wire)."""
+        (handed, per axis), ``<axis>_exposed_s`` (seconds the compute thread waited for the axis),
+        ``comm_backend_bytes`` (handed to the backend's own collectives) and, only when every byte of the
+        step travelled by point-to-point sends that were counted, ``comm_sent_bytes`` (on the wire)."""
         popped = {axis: s.pop() for axis, s in self._axes.items()}
         out = {f"{axis}_sent_bytes": float(s.handed) for axis, s in popped.items()}
+        out.update({f"{axis}_exposed_s": s.waited_s for axis, s in popped.items()})
         out["comm_bytes"] = float(sum(s.handed for s in popped.values()))
         backend = sum(s.backend_handed for s in popped.values())
         out["comm_backend_bytes"] = float(backend)

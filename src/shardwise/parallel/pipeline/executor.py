@@ -148,11 +148,15 @@ class Pipeline:
         out = {"tokens": tokens} if self.tokens_to_every_stage else {}
         return out if dropout_key is None else {**out, "dropout_key": dropout_key}
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, dropout_key=None) -> torch.Tensor | None:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, dropout_key=None,
+             final_backward: Callable[[], contextlib.AbstractContextManager] | None = None) -> torch.Tensor | None:
         """Forward and backward of the batch ``inputs``/``targets`` (``[B, T]``); gradients accumulate
         into the chunks' ``.grad``. Returns the mean loss on the rank holding the last stage, else None.
         Every rank passes batches of the same shape; only the first stage reads ``inputs`` and only the
-        last reads ``targets``. ``dropout_key``: that of the batch's first sequence."""
+        last reads ``targets``. ``dropout_key``: that of the batch's first sequence. ``final_backward``: a
+        context entered around each chunk's last backward of the step (:func:`last_backward_actions`), where
+        its gradients become final (a data-parallel wrapper may start reducing them there)."""
+        finals = last_backward_actions(self.actions) if final_backward is not None else set()
         x_mbs = split_microbatches(inputs, self.m)
         y_mbs = split_microbatches(targets, self.m)
         act_shape = self.activation_shape(x_mbs[0].shape)
@@ -198,7 +202,7 @@ class Pipeline:
 
         def received(kind: str, chunk: int, mb: int) -> torch.Tensor:
             tensor, work = recvs.pop((kind, chunk, mb))
-            with tl.record("wait", self.stage(chunk), mb):
+            with tl.record("wait", self.stage(chunk), mb), self.comm_stats.waiting():
                 work.wait()
             return tensor
 
@@ -231,7 +235,8 @@ class Pipeline:
                 out = saved_out.pop((c, i))
                 defer = self.weight_grads.deferring((c, i)) if self.split_backward else contextlib.nullcontext()
                 aux = saved_aux.pop((c, i), None)
-                with tl.record(B, s, i), defer:
+                final = final_backward() if a in finals else contextlib.nullcontext()
+                with tl.record(B, s, i), defer, final:
                     if aux is None:
                         torch.autograd.backward(out, None if grad is None else grad.to(out.dtype))
                     else:  # the stage's output carries its auxiliary loss's gradient
@@ -244,7 +249,7 @@ class Pipeline:
                 live -= 1  # the saved inputs of the weight gradients are released only now
             pending.extend(sends_after)  # posted with the next batch, right after this computation
         flush()
-        with tl.record("wait", -1, -1):
+        with tl.record("wait", -1, -1), self.comm_stats.waiting():
             for work, _ in sends:
                 work.wait()
         self._sync_tied_grads(tl)
@@ -300,6 +305,19 @@ class Pipeline:
             peer_rank = self.comm.stage_ranks[peer]
             self.comm.exchange([(w.grad, peer_rank, tag)], [(other, peer_rank, tag)])
         w.grad.add_(other)
+
+
+def last_backward_actions(actions: list[Action]) -> set[Action]:
+    """Each chunk's last backward action in one rank's list: after it the chunk's gradients are final. Empty for
+    a schedule that splits the backward (``W`` accumulates weight gradients outside autograd, and
+    :meth:`Pipeline._sync_tied_grads` runs after every action). The simulator reads the same set."""
+    if any(a.kind == W for a in actions):
+        return set()
+    last: dict[int, Action] = {}
+    for a in actions:
+        if a.kind == B:
+            last[a.chunk] = a
+    return set(last.values())
 
 
 def _plan(actions: list[Action]) -> list[tuple[Action, list[Action], list[Action]]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardwise.checks import divisors
+from shardwise.checks import Unused, divisors
 from shardwise.config import Config, ConfigError, ModelConfig
 
 
@@ -37,7 +37,20 @@ def check(cfg: Config) -> None:
     if p.sequence_parallel and cfg.data.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel=true needs data.seq_len={cfg.data.seq_len} divisible by "
                           f"parallel.tp={p.tp}; use a multiple of {p.tp}")
+    if p.tp_comm_overlap and p.tp > 1 and cfg.train.compile:
+        raise ConfigError("parallel.tp_comm_overlap=true with train.compile=true: the decomposed collectives hand "
+                          "projections a stand-in input that torch.compile would trace through; set one of them false")
+    if p.tp_comm_overlap and p.tp > 1 and p.pp > 1 and p.pp_schedule == "zb-h1":
+        raise ConfigError("parallel.tp_comm_overlap=true with parallel.pp_schedule='zb-h1': the decomposed projections "
+                          "compute their weight gradients in backward, which zb-h1 defers to its W passes; use another "
+                          "schedule or parallel.tp_comm_overlap=false")
     if p.sequence_parallel and cfg.train.objective == "classify":
         raise ConfigError("parallel.sequence_parallel=true with train.objective='classify': the classifier reads the "
                           "[CLS] token, which only the first tensor-parallel rank's piece of the sequence holds; "
                           "use parallel.sequence_parallel=false")
+
+
+def unused(cfg: Config) -> list[Unused]:
+    p = cfg.parallel
+    return [Unused("parallel.tp_comm_overlap", p.tp > 1, f"overlaps tensor-parallel communication with its matmuls, "
+                   f"but parallel.tp={p.tp}; set parallel.tp > 1 or remove it")]

@@ -23,7 +23,8 @@ with the shorthands ``param.tp_axis`` (the mesh axis, "tp") and ``param.shard_di
 ``None`` for a full copy). Layout-free checkpoints and gradient norms read them.
 
 The communication is the autograd Functions of :mod:`shardwise.dist.functional`; this module only
-slices weights and says where the region begins and ends.
+slices weights and says where the region begins and ends. With ``overlap`` (``parallel.tp_comm_overlap``) the
+collective next to a projection is decomposed with it instead (:mod:`shardwise.parallel.tensor.overlap`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from shardwise.dist.functional import (
     reduce_from_region,
     reduce_scatter_seq,
 )
+from shardwise.parallel.tensor.overlap import OverlappedRegion, Steps, enter_linear, linear_leave
 
 # ---- how a parameter is laid out over the tensor-parallel axis ------------------------------------
 
@@ -228,17 +230,23 @@ class ColumnParallelLinear(nn.Module):
     hook on the enclosing module). The output stays split over the last dim: it feeds a
     :class:`RowParallelLinear` or a vocabulary-parallel loss, never a gather. The local matmul is
     :attr:`local_linear` (``F.linear``), which a zero-bubble schedule replaces to defer its weight gradients
-    (:func:`shardwise.parallel.pipeline.zero_bubble.defer_linear_weight_grads`).
+    (:func:`shardwise.parallel.pipeline.zero_bubble.defer_linear_weight_grads`). With ``overlap`` the layer
+    entering the region itself decomposes the entry with its matmul; inside an overlapped ``region`` (an
+    :class:`~shardwise.parallel.tensor.overlap.OverlappedRegion` hook) the region's first projection does.
     """
 
     local_linear = staticmethod(F.linear)
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, stats: CommStats | None = None,
-                 *, sequence_parallel: bool = False, enter_region: bool = True):
+                 *, sequence_parallel: bool = False, enter_region: bool = True, overlap: bool = False,
+                 region: OverlappedRegion | None = None):
         super().__init__()
         self.weight = weight
         self.bias = bias
         self.entry = EnterRegion(group, stats, sequence_parallel) if enter_region else None
+        self.steps = Steps(group, stats) if overlap and enter_region else None
+        """With ``overlap``: how this layer, entering the region itself, communicates (:mod:`.overlap`)."""
+        self.region = region
 
     @property
     def in_features(self) -> int:
@@ -257,6 +265,8 @@ class ColumnParallelLinear(nn.Module):
         *,
         sequence_parallel: bool = False,
         enter_region: bool = True,
+        overlap: bool = False,
+        region: OverlappedRegion | None = None,
         rows: tuple[int, int] | None = None,
         local_rows: int | None = None,
         replicas: int = 1,
@@ -274,10 +284,14 @@ class ColumnParallelLinear(nn.Module):
         b = None
         if linear.bias is not None:
             b = _piece(linear.bias, TPShard(axis, 0, (out,), start, stop, replicas, owner, sync), local)
-        return cls(_piece(linear.weight, w, local), b, group, stats,
-                   sequence_parallel=sequence_parallel, enter_region=enter_region)
+        return cls(_piece(linear.weight, w, local), b, group, stats, sequence_parallel=sequence_parallel,
+                   enter_region=enter_region, overlap=overlap, region=region)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.region is not None:
+            return self.region.project(x, self)
+        if self.steps is not None:
+            return enter_linear(x, self.weight, self.bias, self.steps, self.entry.sequence_parallel)[0]
         if self.entry is not None:
             x = self.entry.enter(x)
         return self.local_linear(x, self.weight, self.bias)
@@ -290,16 +304,19 @@ class RowParallelLinear(nn.Module):
     """``Y = sum_i X_i A_i^T + b``: this rank's columns ``A_i`` of the weight (its input features),
     applied to its slice ``X_i`` of the input; g (or the sequence reduce-scatter) sums the ranks'
     partial products and the bias is added once, after the reduction (Shoeybi et al. 2019, §3). The local
-    matmul is :attr:`local_linear`, as in :class:`ColumnParallelLinear`."""
+    matmul is :attr:`local_linear`, as in :class:`ColumnParallelLinear`; with ``overlap`` the matmul and the
+    reduction are decomposed together (:func:`~shardwise.parallel.tensor.overlap.linear_leave`)."""
 
     local_linear = staticmethod(F.linear)
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, stats: CommStats | None = None,
-                 *, sequence_parallel: bool = False):
+                 *, sequence_parallel: bool = False, overlap: bool = False):
         super().__init__()
         self.weight = weight
         self.bias = bias
         self.group, self.stats, self.sequence_parallel = group, stats, sequence_parallel
+        self.steps = Steps(group, stats) if overlap else None
+        """With ``overlap``: how the matmul and the reduction communicate (:mod:`.overlap`)."""
 
     @property
     def in_features(self) -> int:
@@ -311,7 +328,7 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, stats: CommStats | None = None, *,
-                    sequence_parallel: bool = False, axis: str = "tp") -> RowParallelLinear:
+                    sequence_parallel: bool = False, axis: str = "tp", overlap: bool = False) -> RowParallelLinear:
         """This rank's even 1/tp of ``linear``'s input features; the bias whole on every rank."""
         tp, rank = _group_coords(group)
         start, stop = even_rows(linear.in_features, tp, rank, f"in_features of {linear}")
@@ -321,9 +338,12 @@ class RowParallelLinear(nn.Module):
             # after a reduce-scatter each rank adds the bias to its own tokens only: partial gradient
             b = _piece(linear.bias, replicated(linear.bias, axis, tp, rank, "sum" if sequence_parallel else None),
                        linear.out_features)
-        return cls(w, b, group, stats, sequence_parallel=sequence_parallel)
+        return cls(w, b, group, stats, sequence_parallel=sequence_parallel, overlap=overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.steps is not None:
+            y = linear_leave(x, self.weight, self.steps, self.sequence_parallel)
+            return y if self.bias is None else y + self.bias
         y = self.local_linear(x, self.weight, None)
         if self.sequence_parallel:
             y = reduce_scatter_seq(y, self.group, self.stats)

@@ -28,9 +28,12 @@ IGNORE_INDEX = -100
 
 
 def _all_reduce(t: torch.Tensor, op, group, stats: CommStats | None) -> None:
-    if stats is not None:
-        stats.hand(nbytes(t), backend=True)
-    dist.all_reduce(t, op=op, group=group)
+    if stats is None:
+        dist.all_reduce(t, op=op, group=group)
+        return
+    stats.hand(nbytes(t), backend=True)
+    with stats.waiting():  # blocking: all of it is exposed
+        dist.all_reduce(t, op=op, group=group)
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -63,6 +63,7 @@ from shardwise.parallel.tensor.layers import (
 )
 from shardwise.parallel.tensor.loss import VocabParallelLoss
 from shardwise.parallel.tensor.norm import SplitRMSNorm
+from shardwise.parallel.tensor.overlap import OverlappedRegion
 
 STYLES = ("vocab_embedding", "positions", "region", "colwise", "colwise_kv", "rowwise", "vocab_head", "replicate",
           "qk_norm", "qk_norm_kv")
@@ -180,6 +181,7 @@ def apply_tensor_parallel(
     axis: str = "tp",
     cfg=None,
     split_experts: bool = False,
+    overlap: bool = False,
 ) -> nn.Module:
     """Rewrite ``model`` (a plain :class:`~shardwise.model.Transformer`, or a part of one holding some of
     its modules under their usual names) in place into this rank's tensor-parallel piece over ``group``
@@ -198,6 +200,8 @@ def apply_tensor_parallel(
     apply to a single block: ``apply_tensor_parallel(block, group, plan=block_plan(cfg.flavor), cfg=cfg)``.
     A mixture-of-experts block stays whole on every rank, unless ``split_experts`` (``parallel.etp``) splits
     each expert's hidden units (:mod:`shardwise.parallel.expert.tensor`); its router stays whole.
+    ``overlap`` (``parallel.tp_comm_overlap``) decomposes every region's entry with its first projection and
+    every row-parallel layer's reduction with its matmul (:mod:`shardwise.parallel.tensor.overlap`).
     """
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     cfg = model.cfg if cfg is None else cfg
@@ -208,7 +212,9 @@ def apply_tensor_parallel(
     split_qk_norm = getattr(cfg, "qk_norm", False) and getattr(cfg, "qk_norm_scope", "head") == "projection"
     emb: VocabParallelEmbedding | None = None
     head: ColumnParallelLinear | None = None
+    regions: dict[str, OverlappedRegion] = {}
     for path, module in list(model.named_modules()):
+        region = regions.get(path.rpartition(".")[0])
         style = style_of(plan, path) if path else None
         if style == "region" and isinstance(module, MoE):
             if split_experts:  # expert tensor parallelism; else whole on every tp rank (perhaps split over ep)
@@ -227,28 +233,34 @@ def apply_tensor_parallel(
         elif style == "positions":
             if sp:
                 _set(model, path, SequenceParallelPositions.from_embedding(module, group, axis=axis))
+        elif style == "region" and overlap:
+            regions[path] = OverlappedRegion(group, stats, sp)
+            module.register_forward_pre_hook(regions[path])
+            module.register_forward_hook(regions[path].leave)
         elif style == "region":
             module.register_forward_pre_hook(EnterRegion(group, stats, sp))
         elif style == "colwise":
             _set(model, path, ColumnParallelLinear.from_linear(
-                module, group, stats, sequence_parallel=sp, enter_region=False, axis=axis))
+                module, group, stats, sequence_parallel=sp, enter_region=False, region=region, axis=axis))
         elif style == "colwise_kv":
             start, stop, replicas, owner = kv_rows(cfg.n_heads, cfg.n_kv_heads, head_dim, tp, rank)
             _set(model, path, ColumnParallelLinear.from_linear(
-                module, group, stats, sequence_parallel=sp, enter_region=False, rows=(start, stop),
+                module, group, stats, sequence_parallel=sp, enter_region=False, region=region, rows=(start, stop),
                 replicas=replicas, owner=owner, axis=axis))
         elif style == "rowwise":
-            _set(model, path, RowParallelLinear.from_linear(module, group, stats, sequence_parallel=sp, axis=axis))
+            _set(model, path, RowParallelLinear.from_linear(module, group, stats, sequence_parallel=sp, axis=axis,
+                                                            overlap=overlap))
         elif style == "vocab_head":
             start, stop, local = padded_rows(module.out_features, tp, rank)
             tied = emb is not None and getattr(cfg, "tie_embeddings", False)
             if tied:  # the embedding's rows; a bias (bert's) sliced and padded the same way
                 bias = None if module.bias is None else _piece(
                     module.bias, TPShard(axis, 0, (module.out_features,), start, stop, 1, True, None), local)
-                head = ColumnParallelLinear(emb.weight, bias, group, stats, sequence_parallel=sp, enter_region=True)
+                head = ColumnParallelLinear(emb.weight, bias, group, stats, sequence_parallel=sp, enter_region=True,
+                                            overlap=overlap)
             else:
                 head = ColumnParallelLinear.from_linear(
-                    module, group, stats, sequence_parallel=sp, enter_region=True, rows=(start, stop),
+                    module, group, stats, sequence_parallel=sp, enter_region=True, overlap=overlap, rows=(start, stop),
                     local_rows=local, axis=axis)
             _set(model, path, head)
             # the module that owns the head computes the loss from its logits: make it vocabulary-parallel

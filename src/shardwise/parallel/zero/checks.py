@@ -1,5 +1,5 @@
-"""The config rules of ZeRO (stages, offload, ZeRO++'s quantized collectives and hpZ), functions of the config
-alone (no torch)."""
+"""The config rules of ZeRO (stages, offload, ZeRO++'s quantized collectives and hpZ, its overlaps) and of the
+gradient reduction's dtype, functions of the config alone (no torch)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,14 @@ def check(cfg: Config) -> None:
     if p.zero_hpz != 1 and p.zero != 3:
         raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} partitions ZeRO-3's parameters within a node, "
                           f"but parallel.zero={p.zero}; set parallel.zero=3 or parallel.zero_hpz=1")
+    choice("parallel.grad_reduce_dtype", p.grad_reduce_dtype)
+    if p.grad_reduce_dtype != "auto" and p.zero_quant_grads:
+        raise ConfigError(f"parallel.grad_reduce_dtype={p.grad_reduce_dtype!r} and parallel.zero_quant_grads=true "
+                          "both set how gradients travel (int8 blocks); keep one: parallel.grad_reduce_dtype='auto'")
+    if p.grad_reduce_dtype != "auto" and cfg.comm.compression != "none":
+        raise ConfigError(f"parallel.grad_reduce_dtype={p.grad_reduce_dtype!r} and comm.compression="
+                          f"{cfg.comm.compression!r} both set how gradients travel; keep one: "
+                          "parallel.grad_reduce_dtype='auto' or comm.compression='none'")
     if (p.dp * p.cp) % p.zero_hpz:  # ZeRO shards over dp x cp; hpZ's groups are consecutive ranks of it
         raise ConfigError(f"parallel.zero_hpz={p.zero_hpz} does not divide parallel.dp*cp={p.dp * p.cp}; "
                           f"use one of {divisors(p.dp * p.cp)}")
@@ -52,6 +60,12 @@ def unused(cfg: Config) -> list[Unused]:
                "set parallel.zero=3 or remove it"),
         Unused("parallel.bucket_mb", p.zero != 3, "sizes gradient buckets, but ZeRO-3 (parallel.zero=3) gathers and "
                "reduces whole units; set parallel.zero_unit (blocks per unit) instead"),
+        Unused("parallel.zero_overlap_param_gather", p.zero in (1, 2), f"overlaps ZeRO-1/2's parameter all-gather "
+               f"with the next forward, but parallel.zero={p.zero}; set parallel.zero to 1 or 2 or remove it"),
+        Unused("parallel.zero_overlap_grad_reduce", p.zero in (1, 2), f"overlaps ZeRO-1/2's gradient reduce-scatter "
+               f"with backward, but parallel.zero={p.zero}; set parallel.zero to 1 or 2 or remove it"),
+        Unused("parallel.grad_reduce_dtype", not cfg.ps.servers, f"sets how data-parallel gradients travel, but "
+               f"ps.servers={cfg.ps.servers} sends them to parameter servers; remove it"),
         Unused("parallel.offload_dir", p.offload == "disk", f"is where parallel.offload='disk' writes, but "
                f"parallel.offload={p.offload!r}; set parallel.offload='disk' or remove it"),
     ]

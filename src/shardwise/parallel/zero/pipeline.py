@@ -19,9 +19,16 @@ leave them open for pipelines):
   steps (the accountant's ``grads``/``params``; what the flush held, :attr:`flush_bytes`, beside them).
   These are torchtitan's choices for FSDP in a pipeline (``reshard_after_forward`` off; gradient sync on a
   stage's last backward only), and torch.distributed.pipelining's (bench/bench_pp_fsdp.py).
+* stages 1-2 need not wait for the flush, though: once a chunk's last backward has run, its gradients are
+  final. The executor runs that backward inside :meth:`PipelineFlush.final_backward`, where each unit is
+  reduce-scattered as soon as its gradients are complete, as in a one-stage step's last backward (Megatron-Core
+  overlaps its data-parallel reduction with the pipeline's cool-down the same way). Where the schedule splits
+  the backward (zb-h1: the weight gradients of ``W`` are accumulated outside autograd) and for the tied table
+  (its two copies add their gradients after the flush) the reduction still waits for the flush.
 
 A mixin of :class:`shardwise.parallel.zero.ZeroDataParallel`, with the reduction of :mod:`.reduce` and the
-gather / free of :mod:`.stage3` (which keep units while ``_hold`` is set).
+gather / free of :mod:`.stage3` (which keep units while ``_hold`` is set). The parameters' all-gather after the
+optimizer step is waited for by the first micro-batch's forward of each chunk (:mod:`.gather`).
 """
 
 from __future__ import annotations
@@ -43,10 +50,26 @@ class PipelineFlush:
         unit gathered from its first forward on: one gather and one reduce-scatter per unit and step."""
         previous = self._sync, self._hold
         self._sync, self._hold = False, True
+        self._reset()
+        self._held_at_first = None
         try:
             yield
         finally:
             self._sync, self._hold = previous
+
+    @contextlib.contextmanager
+    def final_backward(self) -> Iterator[None]:
+        """Inside :meth:`pipeline_step`: the backward run inside is a chunk's last of the step, so the gradients
+        it completes are final -- stages 1-2 with ``overlap_reduce`` reduce-scatter each unit as soon as all its
+        gradients are in (in the fixed order, as :meth:`_reduce_ready`); otherwise nothing changes."""
+        if self.stage == 3 or not self.overlap_reduce or not self._hold:
+            yield
+            return
+        previous, self._final = self._final, True
+        try:
+            yield
+        finally:
+            self._final = previous
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -55,12 +78,13 @@ class PipelineFlush:
         whose micro-batches' backward passes interleave with other stages' work, so no single pass is "the
         last" (Narayanan et al. 2021 §3: the data-parallel reduction follows the pipeline flush). ZeRO-3's
         units, held gathered through the step, are freed first: the reduction needs only the gradients."""
-        self.flush_bytes = self._held_bytes()
+        # what the step held before a chunk's last backward began releasing its units, else what the flush holds
+        self.flush_bytes = self._held_bytes() if self._held_at_first is None else self._held_at_first
+        self._held_at_first = None
         if self.stage == 3:
             for u in self.units:
                 self._free(u)
-        self._reset()
-        self._reduce_rest()
+        self._reduce_rest()  # what the chunks' last backward passes left (:meth:`final_backward`), then wait
         self._reset()
 
     def _held_bytes(self) -> dict[str, int]:

@@ -27,6 +27,13 @@ from shardwise.parallel.zero.flat import FlatUnit
 from shardwise.parallel.zero.quant import reduce_scatter_int8
 
 
+def overlaps_reduce(stage: int, on_gpu: bool, requested: bool = True) -> bool:
+    """Whether ZeRO's reduce-scatters run beside backward (``ZeroDataParallel(overlap_reduce=)``): stages 1-2 as
+    ``requested`` (``parallel.zero_overlap_grad_reduce``) on every device, stage 3 on GPUs only (see the wrapper's
+    ``overlap_reduce``). The simulator asks the same (:mod:`shardwise.sim.step`)."""
+    return requested if stage < 3 else on_gpu
+
+
 class GradReduction:
     """Backward-time hooks of a ZeRO engine: count, reduce-scatter, hand the slices to the masters."""
 
@@ -46,9 +53,10 @@ class GradReduction:
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         self._had_grad[self._flag_index[id(param)]] = 1
-        if self._hold:  # a pipeline step: only the flag; everything is reduced after the flush
+        if self._hold and not self._final:  # a pipeline step: only the flag; reduced after the flush
             return
-        self._start_backward()
+        if not self._hold:
+            self._start_backward()
         self._drain(keep=0, only_completed=True)  # release finished staging buffers early
         unit = self._unit_of[id(param)]
         unit.pending -= 1
@@ -56,10 +64,20 @@ class GradReduction:
             if self.stage == 3 and unit.index > 0:  # parameters first, as FSDP2: lowers the peak
                 self._free(unit)
             unit.ready = True
-            while self._sync and self._next < len(self._order) and self._order[self._next].ready:
-                self._reduce(self._order[self._next])  # overlapped with the rest of backward
-                if not self.overlap_reduce:
-                    self._drain(keep=0)
+            self._reduce_ready()
+
+    def _reduce_ready(self) -> None:
+        """Launch every unit whose gradients are complete, in the fixed order (overlapped with the rest of
+        backward); inside a pipeline's last backward of a chunk, up to the first unit the flush still changes."""
+        while (self._sync or self._final) and self._next < len(self._order) and self._order[self._next].ready:
+            if self._hold and id(self._order[self._next]) in self._late:
+                return
+            if self._hold and self._held_at_first is None:  # the step's gradients are all there: its peak
+                self._held_at_first = self._held_bytes()
+            self._reduce(self._order[self._next])
+            self._reduced_early += 1
+            if not self.overlap_reduce:
+                self._drain(keep=0)
 
     def _reduce(self, unit: FlatUnit) -> None:
         """Launch one unit's reduce-scatter. Units are reduced in the fixed order ``_order`` (the
@@ -107,21 +125,28 @@ class GradReduction:
     def _launch(self, unit: FlatUnit, flat: torch.Tensor) -> None:
         """Reduce-scatter ``flat`` (a unit's divided gradients). Stage 1 reduces in place: the
         output is the rank's own slice of the input (NCCL's documented in-place form; gloo
-        computes the same, which the equivalence tests check), so no extra gradient shard exists."""
+        computes the same, which the equivalence tests check), so no extra gradient shard exists.
+        With ``reduce_dtype`` the collective runs on a copy cast to it (the wire), and :meth:`_drain`
+        casts the slice back."""
         if unit.world == 1:
             self._inflight.append((unit, flat, flat, None))
             return
+        wire = flat
+        if self.reduce_dtype is not None and flat.dtype != self.reduce_dtype:
+            wire = flat.to(self.reduce_dtype)
+            if self.stage > 1:  # the flat gradient is copied: its buffer serves the next unit at once
+                self._grad_pool.give(flat)
         if self.stage == 1:
-            out = unit.own_slice(flat)
+            out = unit.own_slice(wire)
         else:
-            out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
+            out = torch.empty(unit.shard_numel, dtype=wire.dtype, device=wire.device)
         if self.quant_grads:
-            work, handed = reduce_scatter_int8(out, flat, unit.group)
+            work, handed = reduce_scatter_int8(out, wire, unit.group)
             self.comm_stats.hand(handed, backend=True)
         else:
-            work = self._reduce_scatter_work(out, flat, unit)
-            self.comm_stats.hand(nbytes(flat), backend=not self.direct_exchange)
-        self._inflight.append((unit, flat, out, work))
+            work = self._reduce_scatter_work(out, wire, unit)
+            self.comm_stats.hand(nbytes(wire), backend=not self.direct_exchange)
+        self._inflight.append((unit, wire, out, work))
 
     def _reduce_scatter_work(self, out: torch.Tensor, flat: torch.Tensor, unit: FlatUnit):
         """Launch the reduce-scatter of ``flat`` into ``out``: a direct exchange on gloo (:mod:`.exchange`,
@@ -151,6 +176,7 @@ class GradReduction:
 
     def _reduce_rest(self) -> None:
         """Reduce the units not reduced yet, wait for every reduction, hand each master its slice."""
+        self.overlapped_units_last_step, self._reduced_early = self._reduced_early, 0
         while self._next < len(self._order):
             self._reduce(self._order[self._next])
         self._drain(keep=0)
@@ -160,11 +186,12 @@ class GradReduction:
     def _agree_on_grads(self) -> None:
         """Give every unit ``had_grad``: per parameter, whether any rank produced a gradient."""
         flags = torch.tensor(list(self._had_grad), dtype=torch.uint8, device=self.units[0].shard.device)
-        if self.world > 1 and self.direct_exchange:  # our ring on gloo: every byte counted where it is sent
-            all_reduce(flags, "max", self.group, "ring", verify=False, stats=self.comm_stats)
-        elif self.world > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-            self.comm_stats.hand(nbytes(flags), backend=True)
+        with self.comm_stats.waiting():  # a blocking collective: the compute thread waits all of it
+            if self.world > 1 and self.direct_exchange:  # our ring on gloo: every byte counted where it is sent
+                all_reduce(flags, "max", self.group, "ring", verify=False, stats=self.comm_stats)
+            elif self.world > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+                self.comm_stats.hand(nbytes(flags), backend=True)
         flags, base = flags.tolist(), 0
         for u in self.units:
             u.had_grad = [bool(f) for f in flags[base:base + len(u.params)]]
@@ -183,13 +210,16 @@ class GradReduction:
             if only_completed and work is not None and not work.is_completed():
                 return
             self._inflight.pop(0)
-            if work is not None:
-                work.wait()
+            self.comm_stats.wait(work)
+            if torch.promote_types(out.dtype, u.dtype) != out.dtype:  # reduced in a narrower ``reduce_dtype``:
+                out = u.own_slice(u.grad_full).copy_(out) if self.stage == 1 else out.to(u.dtype)  # back to the flat's
+            # (a wider one, e.g. fp32 beside bf16 flat gradients, stays so: the optimizer's masters read it in fp32)
             if self.stage == 1 or u.grad_shard is None:
                 u.grad_shard = out
             else:
                 u.grad_shard += out
-            if flat is not u.grad_full and out.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+            if flat.dtype == u.dtype and flat is not u.grad_full and \
+                    out.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
                 self._grad_pool.give(flat)  # a flat gradient of one backward: its memory serves the next unit
             self.masters.grad_ready(u)
 

@@ -14,8 +14,11 @@ Models" (SC'20):
   (units) in reverse registration order; each gradient is accumulated straight into its unit's
   flat buffer for this backward (a tensor hook makes ``.grad`` a view of it first), and as soon
   as every gradient of a unit has been accumulated (a post-accumulate-grad hook, as in
-  :mod:`shardwise.parallel.data`), the buffer is reduce-scattered (asynchronously on GPUs, while
-  backward goes on; see ``overlap_reduce``) and handed on to the next unit (:mod:`.reduce`).
+  :mod:`shardwise.parallel.data`), the buffer is reduce-scattered -- asynchronously, while backward
+  goes on, on every device (``overlap_reduce``; Megatron-Core's ``--overlap-grad-reduce``) -- and
+  handed on to the next unit (:mod:`.reduce`).
+* stages 1 and 2 then all-gather the updated parameters after the optimizer step; the next forward
+  waits for each unit's gather only where a module first needs it (``overlap_param_gather``, :mod:`.gather`).
 * **stage 3** (P_os+g+p, §5.3, and the FSDP design of Zhao et al. 2023, "PyTorch FSDP", §3):
   parameters live only as slices. Units are transformer blocks (``unit_blocks`` per unit) plus
   a *root* unit holding everything else (embeddings, final norm, head). A unit's parameters
@@ -35,7 +38,12 @@ accumulation exactly equal to the unsharded run, at the cost of holding full gra
 between micro-batches.
 
 Inside a pipeline gradients accumulate unsharded and ZeRO-3 units stay gathered until the flush
-(:mod:`.pipeline`).
+(:mod:`.pipeline`); stages 1-2 reduce-scatter each unit during its chunk's last backward where the schedule
+allows it (:meth:`~.pipeline.PipelineFlush.final_backward`).
+
+Gradient communication dtype (``reduce_dtype``, FSDP2's ``MixedPrecisionPolicy.reduce_dtype``): the flat
+gradient is cast to it for the reduce-scatter only; accumulation over micro-batches stays in the flat buffers'
+dtype (fp32 unless ``param_dtype``), the reduced slice keeps the wider of the two dtypes, the optimizer steps in fp32.
 
 Mixed precision: the trainer keeps fp32 parameters and lets ``torch.autocast`` make the
 low-precision compute copies, so by default the flat parameter buffers are fp32 and the master
@@ -72,17 +80,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.dist.comm.counting import CommStats, nbytes
+from shardwise.dist.comm.counting import CommStats
 from shardwise.parallel.data import _assign_buckets
 from shardwise.parallel.grad_norm import clip_grad_norm
 from shardwise.parallel.zero import exchange
 from shardwise.parallel.zero.consolidate import full_model_state, load_full_model_state
 from shardwise.parallel.zero.flat import FlatUnit
+from shardwise.parallel.zero.gather import ParamGather
 from shardwise.parallel.zero.hpz import NodePartition, node_groups
 from shardwise.parallel.zero.meta import check_ranks_agree, structure_hash
 from shardwise.parallel.zero.offload import MasterStore
 from shardwise.parallel.zero.pipeline import PipelineFlush
-from shardwise.parallel.zero.reduce import BufferPool, GradReduction
+from shardwise.parallel.zero.reduce import BufferPool, GradReduction, overlaps_reduce
 from shardwise.parallel.zero.stage3 import Stage3Hooks
 
 
@@ -112,7 +121,7 @@ def block_units(blocks: list, unit_blocks: int) -> list[list]:
     return [blocks[i:i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
 
 
-class ZeroDataParallel(GradReduction, Stage3Hooks, PipelineFlush, nn.Module):
+class ZeroDataParallel(GradReduction, ParamGather, Stage3Hooks, PipelineFlush, nn.Module):
     """Shard ``module``'s training state over ``group`` with ZeRO stage ``stage`` (1, 2 or 3).
 
     Use with :class:`shardwise.parallel.zero.ZeroOptimizer`, which steps the rank's master
@@ -142,12 +151,19 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, PipelineFlush, nn.Module):
             ``group`` to span the world).
         node_size: ranks per node for the intra/inter-node split of ``gather_traffic``
             (default ``hpz_size``).
-        overlap_reduce: let each reduce-scatter run while backward goes on (default: on CUDA,
-            and for stage 1, which reduces in place). Stages 2/3 on CPU wait at once: gloo's
-            worker threads compete with the compute for the same cores, and a unit-sized staging
-            buffer (plus gloo's own copy of it) in flight through the next unit's backward raised
-            ZeRO-3's peak memory above ``fully_shard``'s (which waits too on CPU), while waiting
-            cost no time there (bench/bench_zero.py).
+        overlap_reduce: let each reduce-scatter run while backward goes on (default: stages 1 and 2 on
+            every device -- on gloo the direct exchange's messages travel on gloo's transport threads while
+            the compute thread goes on (:mod:`.exchange`); stage 3 on CUDA only: on CPU gloo's worker threads
+            compete with the compute for the same cores, and a unit-sized staging buffer (plus gloo's own
+            copy of it) in flight through the next unit's backward raised ZeRO-3's peak memory above
+            ``fully_shard``'s (which waits too on CPU), while waiting cost no time there, bench/bench_zero.py).
+            False: wait for each reduce-scatter as soon as it is launched.
+        overlap_param_gather: stages 1-2: launch the all-gather of the updated parameters after the step
+            and let each module's forward pre-hook wait only for its own units (:mod:`.gather`); False: wait
+            for every gather in ``after_step``.
+        reduce_dtype: dtype the gradients are reduce-scattered in (e.g. ``torch.bfloat16``; default: the flat
+            gradients' own); micro-batches accumulate in the flat buffers' dtype, the reduced slice is kept in the
+            wider of the two (fp32 beside bf16 flat gradients), and the optimizer steps fp32 masters.
         param_init: for parameters on the meta device, ``param_init(name, param)`` returns the full
             initial value of one parameter (``name`` as in ``module.named_parameters()``), the same on
             every rank; ZeRO-3 keeps only this rank's slices, so the full model is never in memory, and
@@ -162,7 +178,8 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, PipelineFlush, nn.Module):
                  param_dtype: torch.dtype | None = None, offload: str = "none", offload_dir: str | None = None,
                  quant_weights: bool = False, quant_grads: bool = False, broadcast_from: int = 0,
                  hpz_size: int = 1, hpz_group: dist.ProcessGroup | None = None, node_size: int | None = None,
-                 overlap_reduce: bool | None = None, comm_stats: CommStats | None = None,
+                 overlap_reduce: bool | None = None, overlap_param_gather: bool = True,
+                 reduce_dtype: torch.dtype | None = None, comm_stats: CommStats | None = None,
                  param_init: Callable[[str, nn.Parameter], torch.Tensor] | None = None,
                  device: torch.device | str | None = None, expert_group: dist.ProcessGroup | None = None):
         super().__init__()
@@ -179,8 +196,10 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, PipelineFlush, nn.Module):
         self._hold = False
         """Inside :meth:`pipeline_step`: gradients accumulate unsharded, ZeRO-3 units stay gathered."""
         self.flush_bytes: dict[str, int] = {}
-        """Measured at the last pipeline flush (:meth:`reduce_gradients`), from storages: ``gathered`` (ZeRO-3's
-        units held gathered) and ``grad_accum`` (stages 2-3's gradients accumulated unsharded)."""
+        """Measured at the last pipeline flush (:meth:`reduce_gradients`) -- or, where a chunk's last backward began
+        reducing units before it (:meth:`final_backward`), at that moment, the step's peak -- from storages:
+        ``gathered`` (ZeRO-3's units held gathered) and ``grad_accum`` (stages 2-3's gradients accumulated
+        unsharded)."""
         self.quant_weights, self.quant_grads = quant_weights, quant_grads
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -263,12 +282,25 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, PipelineFlush, nn.Module):
         self.direct_exchange = self.world > 1 and exchange.use_exchange(group, self.units[0].shard)
         """Reduce-scatter and all-gather by direct exchange (:mod:`.exchange`): gloo's own are slower."""
         if overlap_reduce is None:
-            overlap_reduce = self.units[0].shard.is_cuda or stage == 1
+            overlap_reduce = overlaps_reduce(stage, self.units[0].shard.is_cuda)
         self.overlap_reduce = overlap_reduce
+        self.overlap_param_gather = overlap_param_gather
+        self.reduce_dtype = reduce_dtype
+        self._final = False
+        self._reduced_early = 0
+        self.overlapped_units_last_step = 0
+        """Units whose reduce-scatter the last step launched during backward, before its end (or its flush)."""
+        self._held_at_first: dict[str, int] | None = None
+        """Inside :meth:`final_backward` (a pipeline chunk's last backward): gradients completed there are final."""
+        self._late: set[int] = {id(self._unit_of[id(w)]) for c in self.chunks
+                                if (w := getattr(c, "tied_weight", None)) is not None and id(w) in self._unit_of}
+        """Units a pipeline changes after its last backward (the tied table's copies add their gradients after
+        the flush): reduced only in :meth:`reduce_gradients`."""
         self._flag_index = {id(p): i for i, p in enumerate(p for u in self.units for p in u.params)}
         # reduce-scatter order: buckets as built (reverse registration), ZeRO-3 units last block first
         self._order = list(reversed(self.units)) if stage == 3 else list(self.units)
         self._reset()
+        self._install_gather_hooks()
 
     @staticmethod
     def _check_meta(module: nn.Module, named, param_init) -> None:
@@ -370,29 +402,14 @@ class ZeroDataParallel(GradReduction, Stage3Hooks, PipelineFlush, nn.Module):
                               shard_group=self.group or dist.group.WORLD, pp_group=pp_group, skip=skip,
                               device=self.units[0].shard.device)
 
-    @torch.no_grad()
-    def after_step(self) -> None:
-        """Write the updated master pieces into the shards and (stages 1, 2) all-gather the full parameters."""
-        self.masters.write_back(self.units)
-        for u in self.units:  # a secondary partition (hpZ) holds the old values
-            self.hpz.drop(u)
-        if self.stage == 3:
-            return
-        works = []
-        for u in self.units:  # in place: the rank's slice of ``full`` holds the updated values
-            if u.world == 1:
-                continue
-            works.append(self._all_gather_work(u, None))
-            self.comm_stats.hand(nbytes(u.full), backend=not self.direct_exchange)
-        for w in works:
-            w.wait()
-
     # ---- checkpoints: the unsharded model's state dict, gathered / sliced ---------------------
 
     def state_dict(self, *args, **kwargs):  # noqa: D102 - a collective: every rank must call it
+        self.wait_for_params()
         return full_model_state(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # noqa: D102
+        self.wait_for_params()  # a gather still in flight would overwrite what is loaded
         missing, unexpected = load_full_model_state(self, state_dict)
         if strict and (missing or unexpected):
             raise RuntimeError(f"state dict does not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
