@@ -231,3 +231,21 @@ def test_validation_reports_held_out_layouts_apart_and_a_collapsed_fit_as_a_fail
     assert sim_calibrate.collapsed({"matmul_efficiency": 1.0, "operator_s": 4e-6})  # clamped at 1: collapsed
     assert sim_calibrate.collapsed({"matmul_efficiency": 0.6, "operator_s": 0.0})
     assert not sim_calibrate.collapsed({"matmul_efficiency": 0.6, "operator_s": 4e-6})
+
+
+@pytest.mark.parametrize("over", [{"parallel.zero": 1}, {"parallel.zero": 3}, {"parallel.zero": 0}],
+                         ids=["zero1", "zero3", "dp"])
+def test_the_gradients_travel_in_the_reduction_dtype(over):
+    """parallel.grad_reduce_dtype bf16 halves the bytes of every gradient reduction the simulator issues, as the
+    engine casts the wire copy (parallel/zero/reduce.py; plain data parallelism's comm.compression cast); the
+    weights' gathers keep their dtype."""
+    def collectives(res, prefix):
+        return sum(t.nbytes for t in res.graph.tasks if t.name.startswith(prefix))
+
+    kind = "all-reduce bucket" if over["parallel.zero"] == 0 else "reduce-scatter"
+    fp32 = _sim(cluster(gpus=2), **over, **{"parallel.grad_reduce_dtype": "fp32"})
+    bf16 = _sim(cluster(gpus=2), **over, **{"parallel.grad_reduce_dtype": "bf16"})
+    assert collectives(fp32, kind) > 0
+    assert collectives(bf16, kind) == pytest.approx(collectives(fp32, kind) / 2)
+    gathers = "gather" if over["parallel.zero"] == 3 else "all-gather bucket"
+    assert collectives(bf16, gathers) == collectives(fp32, gathers)

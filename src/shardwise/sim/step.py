@@ -326,7 +326,8 @@ class StepBuilder:
         while launched < len(rp.groups) and all(rp.pieces[i] in ready for i in rp.groups[launched]):
             g = rp.groups[launched]
             if p.zero == 0:
-                nbytes = 4.0 * (rp.group_numel(g) + len(g))  # the gradients and one "had a gradient" flag each
+                # the gradients and one "had a gradient" flag each
+                nbytes = self.grad_bytes_per_element() * (rp.group_numel(g) + len(g))
                 axis = self.unit_axis(0, g)
                 t = self._comm_task([0], f"all-reduce bucket {launched}", axis,
                                     self.comm(axis, "all-reduce", nbytes, native=self.native_buckets), [previous],
@@ -384,7 +385,7 @@ class StepBuilder:
         """Unit (or bucket) ``u``'s reduce-scatter; with ZeRO-Offload its gradient slice then goes to the host (a
         side stream)."""
         unit = self.params[r].groups[u]
-        nbytes = self.unit_bytes(r, unit, padded=True)
+        nbytes = self.unit_bytes(r, unit, padded=True, grads=True)
         axis = self.unit_axis(r, unit)
         rs = self._comm_task([r], name, axis, self.comm(axis, "reduce-scatter", nbytes, r), deps, nbytes=nbytes,
                              args={"unit": u})
@@ -396,12 +397,24 @@ class StepBuilder:
                 nbytes=shard))
         return rs
 
-    def unit_bytes(self, r: int, unit: list[int], padded: bool) -> float:
+    def unit_bytes(self, r: int, unit: list[int], padded: bool, grads: bool = False) -> float:
+        """The bytes of a bucket's or unit's parameters (``grads``: of its gradients as they travel)."""
         p = self.cfg.parallel
         world = self.unit_world(r, unit)
         n = self.params[r].group_numel(unit)
-        elt = 2.0 if p.zero_param_dtype == "bf16" else 4.0
+        elt = self.grad_bytes_per_element() if grads else 2.0 if p.zero_param_dtype == "bf16" else 4.0
         return elt * (-(-n // world) * world if padded else n)
+
+    def grad_bytes_per_element(self) -> float:
+        """What one gradient element weighs on the wire, as the engine reduces it (``train/engine.py``'s ``_wrap``):
+        ``parallel.grad_reduce_dtype``, or with "auto" the gradients' own dtype (ZeRO's flat gradients are kept in
+        ``zero_param_dtype``; plain data parallelism's are fp32, cast by ``comm.compression`` fp16 / bf16)."""
+        p = self.cfg.parallel
+        if p.grad_reduce_dtype != "auto":
+            return 2.0 if p.grad_reduce_dtype == "bf16" else 4.0
+        if p.zero:
+            return 2.0 if p.zero_param_dtype == "bf16" else 4.0
+        return 2.0 if self.cfg.comm.compression in ("fp16", "bf16") else 4.0
 
     # ---- after the backward --------------------------------------------------------------------------------
 
@@ -419,7 +432,7 @@ class StepBuilder:
                     held = held or any(rp.late[j] for j in g) or any(k not in self._final_tasks for k in keys)
                     start = [prev] if held else [self._final_tasks[k] for k in sorted(keys, key=str)]
                     if p.zero == 0:
-                        nbytes = 4.0 * (rp.group_numel(g) + len(g))
+                        nbytes = self.grad_bytes_per_element() * (rp.group_numel(g) + len(g))
                         axis = self.unit_axis(r, g)
                         seconds = self.comm(axis, "all-reduce", nbytes, r, native=self.native_buckets)
                         deps.append(self._comm_task([r], f"all-reduce bucket {i}", axis, seconds, [prev],
