@@ -21,7 +21,7 @@ a dict of *aspects* -- the places a field can act:
   replaced by recorders, so nothing is spawned): ``spawned``, ``nproc_per_node``, ``nodes``,
   ``max_restarts``, ``rdzv``, ``pg_timeout`` (the one-process group the in-process worker asks for), ``files``;
 * ``collective`` (2 ranks): the data-parallel gradient all-reduce the engine builds from the ``comm``
-  section, with the second rank 1.5 s late -- ``outcome`` ("ok" or its error line).
+  section, with the second rank 1 s late -- ``outcome`` ("ok" or its error line).
 
 A value or context of ``"{tmp}"`` is the probe's own fresh directory. A key ``probe.tty`` runs the trainer with
 a terminal as stdout, ``probe.export`` exports the run afterwards, ``probe.prior`` trains the same run
@@ -398,10 +398,10 @@ def _late_peer_all_reduce(comm_tree: dict, late_s: float) -> str:
 
 
 def observe_collective(overrides: dict, paths: dict[str, Path]) -> dict:
-    """The gradient all-reduce the engine builds from ``comm`` (2 ranks, dp 2), rank 1 arriving 1.5 s late."""
+    """The gradient all-reduce the engine builds from ``comm`` (2 ranks, dp 2), rank 1 arriving 1 s late."""
     from tests.harness import run_on_ranks
 
     cfg_overrides, _ = merged({**MODEL, "parallel.nproc": 2}, overrides, paths)
     cfg = resolve(Config.load(overrides=texts(cfg_overrides)), tokenizer_vocab=257)
     tree = cfg.to_dict()["comm"]
-    return {"outcome": run_on_ranks(2, _late_peer_all_reduce, tree, 1.5)[0]}
+    return {"outcome": run_on_ranks(2, _late_peer_all_reduce, tree, 1.0)[0]}

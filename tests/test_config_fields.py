@@ -246,7 +246,7 @@ TP2, PP2, CP2 = ({**DP2, f"parallel.{axis}": 2} for axis in ("tp", "pp", "cp"))
 EP2 = {**DP2, **MOE, "parallel.ep": 2}
 ZERO1, ZERO3 = {**DP2, "parallel.zero": 1}, {**DP2, "parallel.zero": 3}
 PS = {**DP2, "ps.servers": 1}
-PS3 = {"parallel.nproc": 3, "ps.servers": 1, "train.steps": 3, "ps.straggler": "1:200"}
+PS3 = {"parallel.nproc": 3, "ps.servers": 1, "ps.straggler": "1:200"}
 """Two workers and a server; worker 1 (global rank 1) sleeps 0.2 s a step, so worker 0 (which writes metrics.jsonl)
 runs ahead as far as the consistency lets it."""
 NODES = {"parallel.nproc": 2, "parallel.nnodes": 2, "parallel.rdzv_endpoint": "127.0.0.1:29499",
@@ -464,7 +464,7 @@ PROOFS: dict[str, tuple] = {
                         Refused({"comm.topk_ratio": 0.1}, "but comm.compression='none'")),
     "comm.node_size": (Acts(1, "train:calls:isend", {**DP2, "comm.algorithm": "hierarchical"}),
                        Refused({"comm.node_size": 2}, "but comm.algorithm='native'")),
-    "comm.timeout_s": (Acts(0.5, "collective:outcome", {"comm.algorithm": "ring"}),
+    "comm.timeout_s": (Acts(0.3, "collective:outcome", {"comm.algorithm": "ring"}),
                        Refused({"comm.timeout_s": 30}, "comm.algorithm='native' runs the backend's"),
                        Refused({"parallel.zero": 3, "comm.algorithm": "native", "comm.timeout_s": 30},
                                "ZeRO (parallel.zero=3) runs the backend's")),

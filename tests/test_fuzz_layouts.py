@@ -12,7 +12,7 @@ from shardwise import config_resolve
 from shardwise.config import Config, ConfigError
 from tests import layout_fuzz as fuzz
 
-RAN = 3
+RAN = 4
 """Draws trained per suite run (refused draws are free: they stop before any worker)."""
 
 
