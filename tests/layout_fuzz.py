@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 import shutil
 import tempfile
 import traceback
@@ -257,8 +258,10 @@ class Checker:
 
 
 def _last_line(e: BaseException) -> str:
-    lines = [line for line in str(e).strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else type(e).__name__
+    """The failing rank's exception line (``SomethingError: ...``) from a worker's traceback, else the last line."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*:", line)]
+    return raised[0] if raised else (lines[-1] if lines else type(e).__name__)
 
 
 def _first_lines(e: BaseException) -> str:
