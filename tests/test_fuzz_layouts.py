@@ -18,6 +18,7 @@ RAN = 4
 
 def test_random_layouts_train_the_one_process_model(cache_dir):
     seed = fuzz.source_seed()
+    print(f"layout fuzzer: source-tree seed {seed}")  # shown with -s or on failure, to replay these draws
     checker = fuzz.Checker(cache_dir)
     rng, outcomes = random.Random(seed), []
     while sum(o.kind != "refused" for o in outcomes) < RAN and len(outcomes) < 30:
