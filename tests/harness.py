@@ -211,6 +211,13 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = 300, **kwargs) -> 
             _POOLS.pop(world_size, None)
 
 
+def close_pool(world_size: int) -> None:
+    """Stop the pool of ``world_size`` ranks, if one runs (a later call starts a new one)."""
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None:
+        pool.close()
+
+
 def shutdown_pools() -> None:
     """Stop every worker pool (at the end of the test session)."""
     while _POOLS:
@@ -220,4 +227,4 @@ def shutdown_pools() -> None:
 
 atexit.register(shutdown_pools)
 
-__all__ = ["free_port", "run_on_ranks", "shutdown_pools"]
+__all__ = ["close_pool", "free_port", "run_on_ranks", "shutdown_pools"]

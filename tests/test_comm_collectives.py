@@ -196,7 +196,9 @@ def _mismatch(world: int) -> list[str]:
 
 
 def _missing_peer() -> list[str]:
-    """A rank that never joins (it took another code path) makes the others fail at ``timeout_s``
+    """With every rank present the calls bounded by ``timeout_s`` go through (gloo's point-to-point handles complete
+    only inside their own wait: polling them alone timed out every call). A rank that never joins (it took
+    another code path) makes the others fail at ``timeout_s``
     with an error naming the collective: in the metadata check (on by default), and without it in
     a transfer. Each on a fresh group, so that the abandoned transfers cannot meet later tests'
     messages. (A *size* mismatch without the check is not tested: gloo aborts the receiving
@@ -209,10 +211,13 @@ def _missing_peer() -> list[str]:
 
     gradients = gradient_all_reduce(CommConfig(algorithm="ring", timeout_s=2.0))  # comm.timeout_s
     out = []
-    for call in (lambda g: all_reduce(torch.ones(1000), group=g, algorithm="ring", timeout_s=2),
-                 lambda g: all_reduce(torch.ones(1000), group=g, algorithm="ring", timeout_s=2, verify=False),
-                 lambda g: gather(torch.ones(10), torch.ones(20), 0, g, "tree", timeout_s=2, verify=False),
-                 lambda g: gradients(torch.ones(1000), g)):
+    calls = (lambda g: all_reduce(torch.ones(1000), group=g, algorithm="ring", timeout_s=2),
+             lambda g: all_reduce(torch.ones(1000), group=g, algorithm="ring", timeout_s=2, verify=False),
+             lambda g: gather(torch.ones(10), torch.ones(20), 0, g, "tree", timeout_s=2, verify=False),
+             lambda g: gradients(torch.ones(1000), g))
+    for call in calls:  # the same calls with every rank present: a timeout lets them through
+        call(dist.new_group(list(range(dist.get_world_size()))))
+    for call in calls:
         group = dist.new_group(list(range(dist.get_world_size())))
         if dist.get_rank() == 1:
             continue

@@ -188,6 +188,8 @@ def _fill_device(r: RunConfig, p: ParallelConfig) -> None:
             raise ConfigError("run.device='cuda' but no GPU is visible; use 'cpu' or 'auto'")
         if p.backend == "auto":
             p.backend = "nccl"
+    elif p.backend == "nccl" and not _cuda_available():
+        raise ConfigError("parallel.backend='nccl' needs GPUs but no GPU is visible; use 'gloo' or 'auto'")
 
 
 def _fill_parallel(cfg: Config, world_size: int | None) -> None:

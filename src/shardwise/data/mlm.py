@@ -1,10 +1,11 @@
 """Masked language modelling over token windows (BERT's pre-training objective, Devlin et al. 2019 §3.1).
 
-Of each window's tokens, 15 % are chosen as targets; of those, 80 % are replaced by ``[MASK]``, 10 % by a
-random token and 10 % left unchanged; the loss is the cross-entropy at the chosen positions only (the
-others carry the ignored target -100). The choice for window ``i`` is drawn from a generator seeded by
-``(seed, i)`` alone -- "static masking" (Liu et al. 2019, RoBERTa §4.1) -- so it is the same on every
-layout, rank and resume, as the windows of a step are.
+Of each window's tokens, 15 % are chosen as targets (at least one: the token of the smallest draw when none
+is, as the data pipeline of BERT's authors chooses ``max(1, round(15 %))``); of those, 80 % are replaced by
+``[MASK]``, 10 % by a random token and 10 % left unchanged; the loss is the cross-entropy at the chosen
+positions only (the others carry the ignored target -100). The choice for window ``i`` is drawn from a
+generator seeded by ``(seed, i)`` alone -- "static masking" (Liu et al. 2019, RoBERTa §4.1) -- so it is the
+same on every layout, rank and resume, as the windows of a step are.
 
 ``[MASK]`` is bert's special id (the last of the vocabulary, past the tokenizer's; config resolution reserves
 it); random replacements are drawn from the tokenizer's ids.
@@ -26,7 +27,10 @@ def mask_window(tokens: torch.Tensor, seed: int, index: int, mask_id: int, n_ran
     """``(inputs, targets)`` of one window ``tokens [T]``: the 15 % / 80-10-10 corruption, seeded by
     ``(seed, index)``."""
     g = torch.Generator().manual_seed(zlib.crc32(f"mlm:{seed}:{index}".encode()))
-    chosen = torch.rand(tokens.shape, generator=g) < prob
+    draw = torch.rand(tokens.shape, generator=g)
+    chosen = draw < prob
+    if not chosen.any():  # at least one target per window, as BERT's own data has (max(1, round(15 %)) targets):
+        chosen[draw.argmin()] = True  # a micro-batch of windows without one had a loss of 0 / 0
     how = torch.rand(tokens.shape, generator=g)
     random_ids = torch.randint(0, n_random, tokens.shape, generator=g)
     inputs = torch.where(chosen & (how < MASK_TOKEN), torch.full_like(tokens, mask_id), tokens)

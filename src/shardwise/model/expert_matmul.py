@@ -75,7 +75,9 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     if not hasattr(F, "grouped_mm"):
         return False
     try:
-        with torch.enable_grad():
+        # the probe's own autograd graph, outside any caller's saved-tensor hooks: a first call inside a checkpointed
+        # forward would otherwise add its tensors to what the recomputation must save again (and not save)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
             w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
             y = F.grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor([1, 4], device=device, dtype=torch.int32))

@@ -88,10 +88,10 @@ def score_rule(cfg: ModelConfig, layer_id: int) -> ScoreRule:
 
 def _attention(cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding | None, gelu: bool, causal: bool) -> Attention:
     if cfg.kv_lora_rank:  # DeepSeek's multi-head latent attention
-        scale = softmax_scale_factor(parse_rope_scaling(cfg.rope_scaling))
+        scale, head_dim = softmax_scale_factor(parse_rope_scaling(cfg.rope_scaling)), head_dim_of(cfg)
         return LatentAttention(cfg.d_model, cfg.n_heads, q_rank=cfg.q_lora_rank, kv_rank=cfg.kv_lora_rank,
-                               nope_dim=cfg.head_dim - cfg.rope_dim, rope_dim=cfg.rope_dim,
-                               v_dim=cfg.v_head_dim or cfg.head_dim, rope=rope, eps=cfg.norm_eps, layer=layer_id,
+                               nope_dim=head_dim - cfg.rope_dim, rope_dim=cfg.rope_dim,
+                               v_dim=cfg.v_head_dim or head_dim, rope=rope, eps=cfg.norm_eps, layer=layer_id,
                                dropout=cfg.dropout, scale_factor=scale)
     return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=gelu, dropout=cfg.dropout, rope=rope,
                      causal=causal, layer=layer_id, qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,

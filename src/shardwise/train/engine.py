@@ -293,7 +293,7 @@ class Engine:
         ``sigmoid_bias`` routers' balancing biases (:func:`~shardwise.parallel.expert.router_step.router_step`),
         not where ``skipped`` (a 0-dim device flag) is 1; the loop calls it once after every optimizer step.
         ``dp_reduced_in_backward``: the gradient buckets (ZeRO: units) whose reduction the last step launched
-        during backward -- before it ended, or in a pipeline before the flush -- rather than after it."""
+        during backward -- before it ended, or in a pipeline before the flush -- and left running beside it."""
         out = self.schedule.step_metrics()
         early = getattr(self.wrapper, "overlapped_units_last_step", None)
         early = getattr(self.wrapper, "overlapped_buckets_last_step", None) if early is None else early

@@ -100,7 +100,9 @@ def wait(c: Comm, works: list) -> None:
 
     With ``c.timeout`` the handles are polled against a deadline (a backend's own wait
     cannot always be trusted to give up on a receive whose sender never comes); without it
-    the backend's blocking wait applies, bounded by the process group's timeout.
+    the backend's blocking wait applies, bounded by the process group's timeout. A handle that
+    reports completion only to its own wait (gloo's sends and receives, which have no future)
+    is waited with the time left: gloo gives up on it at the deadline.
     """
     deadline = None if c.timeout is None else time.monotonic() + c.timeout.total_seconds()
     for w in works:
@@ -110,16 +112,39 @@ def wait(c: Comm, works: list) -> None:
             if deadline is None:
                 w.wait()
                 continue
+            if not _reports_completion(w):
+                left = max(deadline - time.monotonic(), 1e-3)
+                try:
+                    w.wait(timeout=timedelta(seconds=left))
+                except RuntimeError:
+                    if time.monotonic() >= deadline:
+                        raise _timed_out(c) from None
+                    raise
+                continue
             while not w.is_completed():
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{c.name}: timed out after {c.timeout.total_seconds():g} s on rank "
-                                       f"{c.ranks[c.me]} (do all ranks call it with the same tensor size and dtype?)")
+                    raise _timed_out(c)
                 time.sleep(1e-4)
             w.wait()
         except TimeoutError:
             raise
         except Exception as e:  # noqa: BLE001 - re-raised with context
             raise RuntimeError(f"{c.name}: point-to-point transfer failed on rank {c.ranks[c.me]}: {e}") from e
+
+
+def _timed_out(c: Comm) -> TimeoutError:
+    return TimeoutError(f"{c.name}: timed out after {c.timeout.total_seconds():g} s on rank "
+                        f"{c.ranks[c.me]} (do all ranks call it with the same tensor size and dtype?)")
+
+
+def _reports_completion(work) -> bool:
+    """True if ``is_completed()`` turns true once the transfer is done (a handle with a future: NCCL's, gloo's
+    collectives); gloo's point-to-point handles have none and complete only inside their own wait."""
+    try:
+        work.get_future()
+    except RuntimeError:
+        return False
+    return True
 
 
 def post_send(c: Comm, piece: torch.Tensor, peer: int, tag: int = 0):

@@ -75,8 +75,9 @@ class GradReduction:
             if self._hold and self._held_at_first is None:  # the step's gradients are all there: its peak
                 self._held_at_first = self._held_bytes()
             self._reduce(self._order[self._next])
-            self._reduced_early += 1
-            if not self.overlap_reduce:
+            if self.overlap_reduce:  # left running beside the rest of backward
+                self._reduced_early += 1
+            else:  # waited for at once: the reference the overlap must equal
                 self._drain(keep=0)
 
     def _reduce(self, unit: FlatUnit) -> None:
