@@ -35,6 +35,8 @@ def make_config(run_dir: Path, cache_dir: Path, nproc: int, **overrides) -> Conf
         "train.precision": "fp32",
         "train.eval_every": "0",
         "train.eval_batches": "2",
+        # a fixed peak for the MFU column: no run measures the CPU's matmul peak (seven 1024^3 products per rank)
+        "train.peak_flops": "1e12",
         "parallel.nproc": str(nproc),
         "ckpt.every": "0",
         "run.dir": str(run_dir),
