@@ -171,3 +171,17 @@ def test_qwen3_shape_trains_the_same_under_tp2(tmp_path, cache_dir):
     given = {**FIRST_LOSS, "model.init_from": f"hf:{src}", "train.steps": 3}
     ref = run(tmp_path, cache_dir, "one", 1, **given, **{"train.micro_batch": 4})
     assert_same_training(run(tmp_path, cache_dir, "tp2", 2, **given, **{"parallel.tp": 2}), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("flavor", ["gpt2", "bert"])
+def test_an_export_of_gelu_experts_is_refused(flavor):
+    """GPT2LMHeadModel and BertForMaskedLM have dense MLPs only: a MoE model of those flavours has no transformers
+    class, and writing one would let transformers fill its MLPs with random weights (a silently different model)."""
+    from shardwise.hf.config_map import hf_config
+
+    m = resolve(Config.load(overrides={"model.preset": "tiny-moe", "model.flavor": flavor,
+                                       "parallel.nproc": "1"} | ({"train.objective": "mlm"} if flavor == "bert"
+                                                                 else {})), tokenizer_vocab=257).model
+    with pytest.raises(HFError, match=rf"^model.flavor='{flavor}' with model.n_experts=\d+: transformers' .* has no "
+                                      r"experts \(its MLPs would load as random weights\)"):
+        hf_config(m)

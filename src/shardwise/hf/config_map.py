@@ -142,6 +142,10 @@ def hf_config(m, eos_id: int | None = None, bos_id: int | None = None, dtype: st
     common = {"architectures": [ARCHITECTURES[m.flavor]], "model_type": m.flavor, "vocab_size": m.vocab_size,
               "tie_word_embeddings": bool(m.tie_embeddings), "torch_dtype": dtype,
               "bos_token_id": bos_id if bos_id is not None else eos_id, "eos_token_id": eos_id}
+    if m.flavor != "llama" and getattr(m, "n_experts", 0):  # GPT2LMHeadModel / BertForMaskedLM: dense MLPs only
+        raise HFError(f"model.flavor={m.flavor!r} with model.n_experts={m.n_experts}: transformers' "
+                      f"{ARCHITECTURES[m.flavor]} has no experts (its MLPs would load as random weights); export a "
+                      "llama-flavour MoE (Mixtral, Qwen3-MoE, DeepSeek-V3) or a model without experts")
     if m.flavor == "gpt2":
         return {**common, "n_layer": m.n_layers, "n_embd": m.d_model, "n_head": m.n_heads, "n_inner": m.d_ff,
                 "n_positions": m.max_seq_len, "n_ctx": m.max_seq_len, "layer_norm_epsilon": m.norm_eps,
