@@ -28,10 +28,17 @@ made on the host -- by ``.cpu()``, by a factory called without a ``device`` (``t
 ``torch.tensor(list)``), or by an operation whose tensor inputs all live on the host (tracked by weak
 reference). A read of a host tensor is free on any machine and is not counted; a read of a device tensor is
 counted as the synchronisation it would be on a GPU. The simulation is an approximation: a tensor made on
-the host before the window opened counts as a device tensor.
+the host before the counter started counts as a device tensor (:meth:`DispatchCounter.on_host` says otherwise;
+:class:`CallWindow` tracks where tensors live from the loop's first cycle on, so a host copy made in one cycle and
+read in the next -- a metric read one step late -- is known to be one).
+
+Autograd runs the hooks of a backward (gradient reduction, ZeRO's callbacks) inside ``Tensor.backward``; torch
+switches a function mode off while it handles a call, so the counter runs ``backward`` and ``autograd.grad``
+under itself again: a ``.tolist()`` or ``.cpu()`` in a backward hook is seen like one in the forward.
 
 :class:`CallWindow` counts one cycle of a loop from outside it (between two calls of a method, e.g. the trainer's
-``Engine.forward_backward``): how ``bench/bench_dispatch.py`` counts one steady-state step of the real loop.
+``Engine.forward_backward``): how ``bench/bench_dispatch.py`` counts one steady-state step of the real loop, and
+``tests/test_step_syncs.py`` holds every layout's step to no synchronisation.
 
 Counting costs about ten microseconds per operator (both modes are Python); the Python time it reports
 includes that, the same for every code measured side by side.
@@ -62,6 +69,8 @@ _DATA_DEPENDENT = {"aten::nonzero", "aten::masked_select", "aten::unique_dim", "
                    "aten::is_nonzero"}
 _BOOL_INDEXED = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+_BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+"""Calls whose Python bodies run autograd's hooks: the function level runs them under itself again."""
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PACKAGE = str(Path(__file__).resolve().parent)
 _TORCH = str(Path(torch.__file__).resolve().parent)
@@ -150,6 +159,8 @@ class DispatchCounter:
         kind = torch.device(device).type if device is not None else "cpu"
         self.simulate = kind == "cpu" if simulate is None else simulate
         self.counts = Counts()
+        self.counting = False
+        """False while the counter only tracks where tensors live (:meth:`start` with ``counting=False``)."""
         self._host = WeakIdKeyDictionary()
         self._reading = 0
         self._host_call = 0
@@ -195,19 +206,27 @@ class DispatchCounter:
         self._mark_host(list(tensors))
 
     def sync(self, kind: str) -> None:
-        self.counts.syncs[(kind, call_site())] += 1
+        if self.counting:
+            self.counts.syncs[(kind, call_site())] += 1
 
     # ---- the window ----------------------------------------------------------------------------------------------
 
-    def start(self) -> DispatchCounter:
-        self._modes = (_FunctionLevel(self), _DispatchLevel(self))
-        for mode in self._modes:
-            mode.__enter__()
-        self._t0 = time.perf_counter()
+    def start(self, counting: bool = True) -> DispatchCounter:
+        """Intercept from here on (again: no-op); ``counting`` False only tracks where new tensors live, until a
+        later ``start()`` begins counting."""
+        if self._modes is None:
+            self._modes = (_FunctionLevel(self), _DispatchLevel(self))
+            for mode in self._modes:
+                mode.__enter__()
+        if counting and not self.counting:
+            self.counting = True
+            self._t0 = time.perf_counter()
         return self
 
     def stop(self) -> Counts:
-        self.counts.wall_s += time.perf_counter() - self._t0
+        if self.counting:
+            self.counts.wall_s += time.perf_counter() - self._t0
+        self.counting = False
         for mode in reversed(self._modes or ()):
             mode.__exit__(None, None, None)
         self._modes = None
@@ -224,21 +243,23 @@ class CallWindow:
     """Count one cycle of a loop from outside it: from the ``first``-th call (0-based) of ``cls.method`` to the next
     call (or :meth:`close`), e.g. ``CallWindow(Engine, "forward_backward", 2)`` around ``train(...)`` counts the
     loop's third step whole -- upload, forward, backward, norm, optimizer, metrics -- whatever the loop does
-    between. The method is wrapped on the class in this process until :meth:`close`; ``on_open(obj, counter)``
-    runs as the window opens (e.g. to mark tensors made before it as host tensors: :meth:`DispatchCounter.on_host`)."""
+    between. From the first call on the counter tracks where tensors live (the earlier cycles' host copies are
+    host tensors in the counted one). The method is wrapped on the class in this process until :meth:`close`;
+    ``on_open(obj, counter)`` runs as the window opens (e.g. to mark tensors made before the first call as host
+    tensors: :meth:`DispatchCounter.on_host`)."""
 
     def __init__(self, cls, method: str, first: int, device: str | torch.device | None = None, on_open=None):
         self.counter, self.calls, self.open, self.first = DispatchCounter(device), 0, False, first
         original = getattr(cls, method)
 
         def wrapped(obj, *args, **kwargs):
-            if self.open:
+            if self.open and self.counter.counting:  # the counted cycle ends
                 self.counter.stop()
                 self.open = False
-            if self.calls == first:
-                self.counter.start()
+            elif self.calls <= first:  # tracking from the first call, counting from the ``first``-th
+                self.counter.start(counting=self.calls == first)
                 self.open = True
-                if on_open is not None:
+                if on_open is not None and self.calls == first:
                     on_open(obj, self.counter)
             self.calls += 1
             return original(obj, *args, **kwargs)
@@ -272,6 +293,10 @@ class _FunctionLevel(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         c = self.c
+        if func in _BACKWARD and hasattr(torch._C, "_set_skip_next_torch_function"):
+            with self:  # the hooks autograd runs inside see this mode too
+                torch._C._set_skip_next_torch_function(True)  # not this call itself again: its body
+                return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         tensors = _tensors((args, kwargs))
         first = tensors[0] if tensors else None
@@ -334,7 +359,7 @@ class _DispatchLevel(TorchDispatchMode):
             if any(issubclass(t, FakeTensor) for t in types):  # shape propagation (DTensor's): no work, not counted
                 return func(*args, **kwargs)
             return NotImplemented  # a tensor subclass (DTensor): it runs its local ops, counted here
-        if c._quiet:
+        if c._quiet or not c.counting:
             return func(*args, **kwargs)
         t0 = time.perf_counter()
         out = func(*args, **kwargs)

@@ -13,6 +13,7 @@ every few steps) for the same reason.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +51,10 @@ class Readout:
         """Queue ``values`` (0-dim tensors on the device) of ``step`` for the host; nothing waits. ``keep``: what
         the loop wants back with them (host numbers, or device tensors for a later look)."""
         vector = torch.stack([v.detach().reshape(()).to(torch.float64) for v in values.values()])
+        on_cuda = vector.is_cuda
+        vector = vector.to("cpu", non_blocking=True)  # from a GPU into pinned host memory; on a CPU itself
         event = None
-        if vector.is_cuda:
-            vector = vector.to("cpu", non_blocking=True)  # into pinned host memory
+        if on_cuda:
             event = torch.cuda.Event()
             event.record()
         self._pending.append(PendingStep(step, list(values), vector, event, keep))
@@ -72,3 +74,23 @@ class Readout:
             p.event.synchronize()
         numbers = p.host.numpy().tolist()  # host memory: no device to wait for
         return ReadStep(p.step, dict(zip(p.names, numbers, strict=True)), p.keep)
+
+
+class Late:
+    """A metric entry whose values are computed when its step is read: ``read()`` returns them (a dict) from host
+    copies queued without waiting during the step (e.g. the routers' load, :func:`~shardwise.parallel.expert.
+    router_step.router_step`)."""
+
+    def __init__(self, read: Callable[[], dict[str, Any]]):
+        self.read = read
+
+
+def resolve_late(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` with every :class:`Late` entry replaced by the values it reads (call after the step's read)."""
+    out: dict[str, Any] = {}
+    for name, value in metrics.items():
+        if isinstance(value, Late):
+            out.update(value.read())
+        else:
+            out[name] = value
+    return out
