@@ -82,14 +82,16 @@ def test_resume_is_bit_identical_and_layout_free(reference, tmp_path, cache_dir)
 def test_bubble_metrics_and_timeline(tmp_path, cache_dir):
     run(tmp_path, cache_dir, "pp", 2, **LAYERS, **{"parallel.pp": 2, "parallel.microbatches": 4})
     records = [json.loads(line) for line in (tmp_path / "pp" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "loss" in r]
-    assert all(r["bubble_theory"] == pytest.approx(1 / 5) for r in steps)
+    assert all(r["bubble_theory"] == pytest.approx(1 / 5) for r in records if "loss" in r)
+    # the measured timeline is gathered (a wait for the device) only on the steps that account memory
+    steps = [r for r in records if "bubble" in r]
+    assert [r["step"] for r in steps] == [1, 6]  # the first and the last of 6 (and every 10th)
     assert all(0.0 <= r["bubble"] < 1.0 for r in steps)
     assert all(0.0 <= r["bubble_replayed"] <= r["bubble"] for r in steps)  # communication only adds idle time
     assert all(r["pp_peak_live_0"] == 2 and r["pp_peak_live_1"] == 1 for r in steps)  # 1F1B: p - rank
     # Rank 0 (stage 0) sends 4 activations of [2, 32, 64] fp32 and its copy of the tied table's gradient
     # (vocabulary 257: 256 bytes + 1 special token).
-    assert all(r["pp_sent_bytes"] == 4 * 2 * 32 * 64 * 4 + 257 * 64 * 4 for r in steps)
+    assert all(r["pp_sent_bytes"] == 4 * 2 * 32 * 64 * 4 + 257 * 64 * 4 for r in records if "loss" in r)
     doc = json.loads((tmp_path / "pp" / "timeline.json").read_text())
     assert doc["schedule"] == "1f1b" and len(doc["timelines"]) == 2
 

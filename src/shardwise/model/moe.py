@@ -221,8 +221,7 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 class MoEStats:
     """Per-step sums of what the router did (training forwards only), popped once per step. Every field is a
     sum, so the sums of several ranks' tokens (data-, context-parallel) add up to the global batch's. The sums
-    stay on the router's device until :func:`pop_moe_totals` reads them, once per step: a forward never waits
-    for the host."""
+    stay on the router's device: neither a forward nor :func:`pop_moe_totals` waits for it."""
 
     def __init__(self, n_experts: int):
         self.n_experts = n_experts
@@ -343,7 +342,7 @@ class RouterTotals:
 
     def with_flat(self, flat: torch.Tensor) -> RouterTotals:
         n = self.counts.numel()
-        return RouterTotals(self.layers, flat[:n].view_as(self.counts), flat[n:])
+        return RouterTotals(self.layers, flat[:n].view(self.counts.shape), flat[n:])
 
     @staticmethod
     def join(parts: list[RouterTotals]) -> RouterTotals:
@@ -351,10 +350,15 @@ class RouterTotals:
         return RouterTotals([i for p in parts for i in p.layers], torch.cat([p.counts for p in parts]),
                             torch.stack([p.tail for p in parts]).sum(0))
 
+    def to_host(self) -> RouterTotals:
+        """The sums copied to host memory without waiting (pinned, from a GPU): read them only once the device is
+        past the copy (the loop's :class:`~shardwise.train.readout.Readout` waits for the step's event first)."""
+        return self.with_flat(self.flat().to("cpu", non_blocking=True))
+
 
 def pop_moe_totals(model: nn.Module) -> RouterTotals | None:
     """This step's router sums over every MoE block of ``model`` (reset afterwards); ``None`` without MoE blocks.
-    The one place the sums leave the device: one copy to the host per step."""
+    They stay on the router's device (nothing waits for it): :func:`~RouterTotals.to_host` queues their copy."""
     layers = moe_layers(model)
     if not layers:
         return None
@@ -363,12 +367,11 @@ def pop_moe_totals(model: nn.Module) -> RouterTotals | None:
                  torch.zeros(3, m.n_experts, dtype=torch.float64, device=device) for m in layers]
     losses = [torch.stack([t.double() for t in m.stats.aux + m.stats.z]).view(2, -1).sum(1) if m.stats.aux else
               torch.zeros(2, dtype=torch.float64, device=device) for m in layers]
-    counts = torch.stack(per_layer)
-    host = torch.cat([counts.reshape(-1), torch.stack(losses).sum(0)]).cpu()  # one copy for both
-    counts, losses = host[:counts.numel()].view(counts.shape), host[counts.numel():]
-    routed, kept = float(counts[:, 1].sum()), float(counts[:, 0].sum())  # dropped: routed but not kept
-    tail = torch.tensor([sum(m.stats.tokens for m in layers), routed, routed - kept, float(losses[0]), float(losses[1]),
-                         sum(m.stats.calls for m in layers)], dtype=torch.float64)
+    counts, losses = torch.stack(per_layer), torch.stack(losses).sum(0)
+    routed, kept = counts[:, 1].sum(), counts[:, 0].sum()  # dropped: routed but not kept
+    host = torch.full((2,), 0.0, dtype=torch.float64, device=device)  # the host's counts, as kernel arguments
+    host[0], host[1] = float(sum(m.stats.tokens for m in layers)), float(sum(m.stats.calls for m in layers))
+    tail = torch.stack([host[0], routed, routed - kept, losses[0], losses[1], host[1]])
     for m in layers:
         m.stats.reset()
     return RouterTotals([m.layer_id for m in layers], counts, tail)

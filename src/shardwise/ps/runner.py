@@ -184,7 +184,7 @@ def _work(cfg, run_dir, model, parts, codec, sampler, corpus, worker_group, log,
             losses.append(loss)
             metrics = {"loss": loss, "lr": lr_at(step, tcfg), "grad_norm": norm, **worker.pop_metrics()}
             if cfg.model.n_experts:  # the router's load and losses: over every worker in lock-step, else its own
-                metrics.update(router_step(model, worker_group if ps.consistency == "bsp" else None))
+                metrics.update(router_step(model, worker_group if ps.consistency == "bsp" else None)())
             if ps.consistency == "bsp":  # workers are in lock-step anyway: report the global batch's loss
                 mean = torch.tensor([loss], dtype=torch.float64)
                 protocol.wait(dist.all_reduce(mean, group=worker_group, async_op=True), cfg.parallel.timeout_s,

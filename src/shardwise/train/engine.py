@@ -61,6 +61,7 @@ from shardwise.train import memory as train_memory
 from shardwise.train.checkpoint import CheckpointError
 from shardwise.train.optim import build_optimizer, decay_groups, optimizer_param_names
 from shardwise.train.precision import DynamicLossScaler, autocast_context
+from shardwise.train.readout import Late
 from shardwise.train.schedules import OneStage, PipelineSchedule
 from shardwise.train.sharded import Piece
 from shardwise.train.step_guard import StepVerdict, agree
@@ -286,15 +287,17 @@ class Engine:
         """This step's communication as the counting layer recorded it (:meth:`CommLedger.pop_metrics`)."""
         return self.ledger.pop_metrics()
 
-    def step_metrics(self, skipped: torch.Tensor | None = None) -> dict[str, float]:
+    def step_metrics(self, skipped: torch.Tensor | None = None, timeline: bool = False) -> dict[str, float]:
         """The schedule's (a pipeline's bubble), and where those techniques are on, the context-parallel
         attention work and the experts' load (each a small collective; not looked for when off). With MoE
         blocks it also ends the routers' step: their load summed over the global batch moves the
         ``sigmoid_bias`` routers' balancing biases (:func:`~shardwise.parallel.expert.router_step.router_step`),
         not where ``skipped`` (a 0-dim device flag) is 1; the loop calls it once after every optimizer step.
         ``dp_reduced_in_backward``: the gradient buckets (ZeRO: units) whose reduction the last step launched
-        during backward -- before it ended, or in a pipeline before the flush -- and left running beside it."""
-        out = self.schedule.step_metrics()
+        during backward -- before it ended, or in a pipeline before the flush -- and left running beside it.
+        ``timeline``: this step reports a pipeline's measured timeline (bubble, peak live activations).
+        The experts' metrics come as a :class:`~shardwise.train.readout.Late` entry, read with the step."""
+        out = self.schedule.step_metrics(timeline)
         early = getattr(self.wrapper, "overlapped_units_last_step", None)
         early = getattr(self.wrapper, "overlapped_buckets_last_step", None) if early is None else early
         if early is not None and self.mesh.size("dp_cp") > 1:
@@ -303,11 +306,18 @@ class Engine:
             out.update(pop_attention_work(self.module))
         if self.cfg.model.n_experts:
             sp = self.tp_group if self.cfg.parallel.sequence_parallel else None
-            out.update(router_step(self.module, self.group, self.pp_group, seq_group=sp, skipped=skipped))
+            out["moe"] = Late(router_step(self.module, self.group, self.pp_group, seq_group=sp, skipped=skipped))
         return out
 
     def write_timeline(self, run_dir: Path, step: int) -> None:
         self.schedule.write_timeline(run_dir, step)
+
+    def settle(self) -> None:
+        """Wait for what the last step left in flight (ZeRO-1/2's parameter gathers, launched after the step for
+        the next forward): a run ends with no message of it still travelling."""
+        wait = getattr(self.wrapper, "wait_for_params", None)
+        if wait is not None:
+            wait()
 
     def memory_bytes(self) -> dict[str, int]:
         return train_memory.model_state_bytes(self.wrapper, self.optimizer)

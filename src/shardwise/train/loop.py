@@ -32,7 +32,7 @@ from shardwise.train.flops import peak_flops, training_flops_per_token
 from shardwise.train.metrics import MetricsLogger, process_memory_bytes
 from shardwise.train.optim import DeviceLrSchedule, lr_at
 from shardwise.train.precision import DynamicLossScaler
-from shardwise.train.readout import Readout, ReadStep
+from shardwise.train.readout import Readout, ReadStep, resolve_late
 from shardwise.train.recovery import clean_partial_checkpoints, note_restart, resume_wanted
 from shardwise.train.result import TrainResult
 from shardwise.train.resume import agreed_resume
@@ -151,7 +151,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
         losses.append(values["loss"])
         grad_norms.append(values["grad_norm"])
         metrics = {"loss": values["loss"], "lr": values["lr"], "grad_norm": values["grad_norm"],
-                   **read.keep["metrics"], "skipped_steps": float(guard.total)}
+                   **resolve_late(read.keep["metrics"]), "skipped_steps": float(guard.total)}
         if scaler:
             metrics["loss_scale"] = values["loss_scale"]
         log.log(read.step, metrics)
@@ -192,7 +192,8 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
 
         elapsed = time.perf_counter() - t0 - accounting_s  # the step's launches (and, on a CPU, its work)
         metrics = {"tokens_per_s": 0.0, "step_time_s": 0.0, "mfu": 0.0,  # with the wait below
-                   **engine.comm_metrics(), **engine.step_metrics(skipped=verdict.skip)}
+                   **engine.comm_metrics(),  # a pipeline's timeline: gathered on the steps that account memory
+                   **engine.step_metrics(skipped=verdict.skip, timeline=accounted is not None)}
         for _, write_s in writer.finished():  # a background checkpoint write that ended during this step
             metrics["ckpt_write_s"] = write_s
         if ckpt_wait is not None:
@@ -242,6 +243,7 @@ def train(cfg: Config, run_dir: Path, collect_state: bool = False, stop_after: i
             break
     for read in readout.drain():
         finish(read)
+    engine.settle()  # no gather of the last step left travelling
     writer.wait()  # the last checkpoint is complete before the run ends
     for step, write_s in writer.finished():
         log.log(step, {"ckpt_write_s": write_s})

@@ -76,7 +76,7 @@ class OneStage:
         with autocast_context(self.precision, self.device.type):
             return self.wrapper(x, y).double()
 
-    def step_metrics(self) -> dict[str, float]:
+    def step_metrics(self, timeline: bool = False) -> dict[str, float]:
         return {}
 
     def write_timeline(self, run_dir: Path, step: int) -> None:
@@ -101,7 +101,7 @@ class PipelineSchedule:
         with self.wrapper.pipeline_step():  # gradients accumulate over the schedule ...
             loss = self.pipe.step(x, y, dropout_key, final_backward=getattr(self.wrapper, "final_backward", None))
         self.wrapper.reduce_gradients()  # ... and are averaged once, after the flush
-        self.timelines = gather_timelines(self.pipe.timeline, self.pp_group)
+        self.timelines = []  # gathered by :meth:`step_metrics` on the steps that report them
         # the single-process loss: the last stage's (with its blocks' auxiliary losses) and earlier stages' aux
         out = torch.zeros((), dtype=torch.float64, device=self.device) if loss is None else loss.double()
         out = out + self.pipe.aux_loss.to(self.device)
@@ -122,12 +122,15 @@ class PipelineSchedule:
         p, m, v = self.pipe.p, self.pipe.m, len(self.pipe.chunks)
         return zb_h1_bubble(p, m) if self.schedule == "zb-h1" else theoretical_bubble(p, m, v)
 
-    def step_metrics(self) -> dict[str, float]:
-        """Measured and theoretical bubble of the last step, the schedule's replayed with the step's compute times
-        and free communication (between the two: what the stages' unequal work adds to the theory, and what
-        executing the schedule adds to that), and every stage rank's peak live activations."""
-        if not self.timelines:
-            return {}
+    def step_metrics(self, timeline: bool = False) -> dict[str, float]:
+        """The theoretical bubble; with ``timeline`` (the steps that report it) also the measured bubble of the last
+        step, the schedule's replayed with the step's compute times and free communication (between the two: what
+        the stages' unequal work adds to the theory, and what executing the schedule adds to that), and every stage
+        rank's peak live activations. Those gather every stage's timeline -- an object collective that waits for
+        the device, as does reading its clock -- so not every step does."""
+        if not timeline:
+            return {"bubble_theory": self.bubble_theory()}
+        self.timelines = gather_timelines(self.pipe.timeline, self.pp_group)
         out = {"bubble": bubble_fraction(self.timelines), "bubble_theory": self.bubble_theory(),
                "bubble_replayed": replayed_bubble(self.timelines, self.pipe.all_actions)[0]}
         out.update({f"pp_peak_live_{t.rank}": float(t.peak_live) for t in self.timelines})

@@ -13,6 +13,8 @@ them) and are not summed over -- but for sequence parallelism, where each routes
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,10 +30,12 @@ COLLAPSE_STEPS = 20
 
 def router_step(model: nn.Module, group: dist.ProcessGroup | None,
                 pp_group: dist.ProcessGroup | None = None, seq_group: dist.ProcessGroup | None = None,
-                skipped: torch.Tensor | None = None) -> dict[str, float | list[int]]:
+                skipped: torch.Tensor | None = None) -> Callable[[], dict[str, float | list[int]]]:
     """After an optimizer step: this step's router sums added over ``group`` (a collective where the model has
-    MoE blocks), each ``sigmoid_bias`` router's bias moved by the global load of its block, and the metrics of
-    :func:`shardwise.model.moe.moe_metrics`. ``pp_group`` (a collective on every stage, with or without MoE
+    MoE blocks), each ``sigmoid_bias`` router's bias moved by the global load of its block -- all on the device --,
+    and the sums' copy to the host queued without waiting. Returns the reader of the metrics of
+    :func:`shardwise.model.moe.moe_metrics`: call it once the device is past the step (the loop reads it one step
+    late, :class:`~shardwise.train.readout.Late`). ``pp_group`` (a collective on every stage, with or without MoE
     blocks): each stage's blocks joined for the metrics. ``seq_group`` (sequence parallelism's tp group): its
     ranks routed different tokens of the same sequences, so their counts -- not the losses, which each of them
     holds for the whole sequence (:mod:`.sequence`), nor the forwards -- are added over it first. ``skipped``: a
@@ -50,12 +54,25 @@ def router_step(model: nn.Module, group: dist.ProcessGroup | None,
     if totals is not None:
         for moe, load in zip(moe_layers(model), totals.counts[:, 1], strict=True):
             update_expert_bias(moe.router, load, moe.bias_rate, skipped)
-    if pp_group is not None:
+    copied = None
+    if totals is not None:
+        on_cuda = totals.counts.is_cuda
+        totals = totals.to_host()
+        if on_cuda:  # the reader waits for this event, not the device's later work
+            copied = torch.cuda.Event()
+            copied.record()
+    if pp_group is not None:  # an object collective: it waits for the copy (pipelines with experts only)
         stages: list[RouterTotals | None] = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(stages, totals, group=pp_group)
         stages = [t for t in stages if t is not None]
         totals = RouterTotals.join(stages) if stages else None
-    return {} if totals is None else moe_metrics(totals)
+
+    def read() -> dict[str, float | list[int]]:
+        if copied is not None:
+            copied.synchronize()
+        return {} if totals is None else moe_metrics(totals)
+
+    return read
 
 
 class CollapseWatch:

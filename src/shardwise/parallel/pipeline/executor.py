@@ -109,8 +109,8 @@ class Pipeline:
         self.actions = self.all_actions[self.rank]
         self.d_model, self.act_dtype, self.device = d_model, act_dtype, torch.device(device)
         self.seq_shards = seq_shards
-        self.timeline = Timeline(self.rank)
-        """The last step's events (made after the step from the stamps of :attr:`clock`)."""
+        self._timeline: Timeline | None = Timeline(self.rank)
+        self._recorder: Recorder | None = None
         self.clock = clock_for(self.device)
         self.plan = _plan(self.actions)
         self.split_backward = any(a.kind == W for a in self.actions)
@@ -147,6 +147,14 @@ class Pipeline:
         """The keyword arguments of a chunk's forward on a micro-batch of input ids ``tokens``."""
         out = {"tokens": tokens} if self.tokens_to_every_stage else {}
         return out if dropout_key is None else {**out, "dropout_key": dropout_key}
+
+    @property
+    def timeline(self) -> Timeline:
+        """The last step's events, made from the stamps of :attr:`clock` on first use after the step (on a GPU
+        that reads the device's clock, a wait: a training loop asks only on the steps that report it)."""
+        if self._timeline is None:
+            self._timeline = self._recorder.timeline()
+        return self._timeline
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, dropout_key=None,
              final_backward: Callable[[], contextlib.AbstractContextManager] | None = None) -> torch.Tensor | None:
@@ -255,7 +263,7 @@ class Pipeline:
         self._sync_tied_grads(tl)
         self.aux_loss = aux_sum / self.m
         tl.end = tl.now()
-        self.timeline = tl.timeline()  # the device's stamps read once, after the step
+        self._recorder, self._timeline = tl, None  # the device's stamps are read when the timeline is asked for
         if losses:
             return torch.stack(losses).mean()
         return None

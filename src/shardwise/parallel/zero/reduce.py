@@ -185,17 +185,24 @@ class GradReduction:
         self.masters.set_grads(self.units)
 
     def _agree_on_grads(self) -> None:
-        """Give every unit ``had_grad``: per parameter, whether any rank produced a gradient."""
-        flags = torch.tensor(list(self._had_grad), dtype=torch.uint8, device=self.units[0].shard.device)
+        """Give every unit ``had_grad``: per parameter, whether any rank produced a gradient (the maximum of the
+        ranks' flags). Where this rank produced every gradient -- each step of a model without unused parameters --
+        the answer is all True whatever the others say: its flags are made on the device (no upload) and the
+        agreed ones are not read back, so the host never waits; the collective still runs, as the ranks that
+        lack a gradient need it (they upload their flags and read the answer)."""
+        device = self.units[0].shard.device
+        everything = all(self._had_grad)
+        flags = torch.ones(len(self._had_grad), dtype=torch.uint8, device=device) if everything else \
+            torch.tensor(list(self._had_grad), dtype=torch.uint8, device=device)
         with self.comm_stats.waiting():  # a blocking collective: the compute thread waits all of it
             if self.world > 1 and self.direct_exchange:  # our ring on gloo: every byte counted where it is sent
                 all_reduce(flags, "max", self.group, "ring", verify=False, stats=self.comm_stats)
             elif self.world > 1:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
                 self.comm_stats.hand(nbytes(flags), backend=True)
-        flags, base = flags.tolist(), 0
+        agreed, base = [True] * len(self._had_grad) if everything else flags.tolist(), 0
         for u in self.units:
-            u.had_grad = [bool(f) for f in flags[base:base + len(u.params)]]
+            u.had_grad = [bool(f) for f in agreed[base:base + len(u.params)]]
             base += len(u.params)
 
     def _drain(self, keep: int, only_completed: bool = False) -> None:
