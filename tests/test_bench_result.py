@@ -79,11 +79,12 @@ def test_an_unreadable_earlier_result_is_refused_before_measuring_and_kept(tmp_p
 def test_a_headline_keeps_ratios_at_any_depth_and_names_the_commit_of_the_whole_file(tmp_path):
     doc = {"date": "d", "machine": "the 2-core machine", "command": "c", "notes": ["n"], "backend": "gloo",
            "long": "x" * 100, "worlds": {"2": {"ratios": {"zero1/dp": {"step_time": 0.91234567}}}},
-           "rows": [{"size": 4, "ratio_to_native": 1.5, "time_us": 3.0}], "speed": {"step_s": 2.0}}
+           "rows": [{"size": 4, "ratio_to_native": 1.5, "time_us": 3.0}], "speed": {"step_s": 2.0},
+           "calibration": {"flops": 5.0}, "export": {"peak_over_shard": 2.5}}
     got = headline(doc)
     assert got["machine"] == "the 2-core machine"
     assert got["figures"] == {"worlds.2.ratios.zero1/dp.step_time": 0.9123, "rows.0.ratio_to_native": 1.5,
-                              "backend": "gloo"}
+                              "export.peak_over_shard": 2.5, "backend": "gloo"}
     if shutil.which("git") is None:
         pytest.skip("no git here")
     path = tmp_path / "bench" / "results" / "x.json"

@@ -244,7 +244,8 @@ def render(root: Path) -> str:
         "",
         "Every figure measured for shardwise, one section per result file, grouped by topic; the guides quote "
         "them and link here. Each file records when it was measured, on what machine and by which command; its "
-        "notes say under what load and how it compares with earlier runs of the same command. Ratios are "
+        "notes say under what load and how it compares with earlier runs of the same command, and a file that "
+        "replaced earlier results lists their headlines under \"Earlier runs\". Ratios are "
         "ours / the peer's, measured side by side in one invocation (absolute times on a shared machine drift). "
         "Chrome traces (`*.trace.json`) and plots (`*.png`) sit beside the JSON in `bench/results/`.",
         "",

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -42,6 +43,10 @@ is in git at the commit the entry names."""
 
 MAX_TEXT = 60
 """A text field longer than this is not a headline figure."""
+
+RATIO_WORDS = frozenset({"ratio", "ratios", "speedup", "over", "vs", "gain", "error"})
+"""A key with one of these words (split at ``_``, ``/``, spaces, ...) names a comparison: the numbers under it are
+headline figures (``ratio_step_time``, ``ratios.zero1/dp.step_time``, ``async_over_sync_stall``)."""
 
 GIT_TIMEOUT_S = 10.0
 
@@ -195,7 +200,8 @@ def read_result(path: Path) -> dict | None:
 
 def headline(doc: dict, path: Path | None = None) -> dict:
     """An earlier result in brief: its date, machine (one line), command and key figures -- every number under a
-    key naming a ratio, at any depth, then its other top-level scalars, at most :data:`MAX_FIGURES` -- and, when
+    key naming a comparison (:data:`RATIO_WORDS`), at any depth, then its other top-level scalars, at most
+    :data:`MAX_FIGURES` -- and, when
     ``path`` is committed in git unchanged, ``file_at`` (``git show`` it for the whole earlier file)."""
     entry = {"date": doc.get("date"), "machine": machine_text(doc.get("machine")), "command": doc.get("command")}
     ratios: dict = {}
@@ -213,17 +219,21 @@ def headline(doc: dict, path: Path | None = None) -> dict:
 
 
 def _ratio_leaves(value, path: str, in_ratio: bool, out: dict) -> None:
-    """Every number at or under a key naming a ratio, by its dotted path (list items by position; lists of
+    """Every number at or under a key naming a comparison, by its dotted path (list items by position; lists of
     numbers, per-step samples, left out)."""
     if isinstance(value, dict):
         for k, v in value.items():
-            _ratio_leaves(v, f"{path}.{k}" if path else str(k), in_ratio or "ratio" in str(k).lower(), out)
+            _ratio_leaves(v, f"{path}.{k}" if path else str(k), in_ratio or _compares(str(k)), out)
     elif isinstance(value, list):
         for i, v in enumerate(value):
             if isinstance(v, (dict, list)):
                 _ratio_leaves(v, f"{path}.{i}", in_ratio, out)
     elif in_ratio and isinstance(value, (int, float)) and not isinstance(value, bool):
         out[path] = value
+
+
+def _compares(key: str) -> bool:
+    return not RATIO_WORDS.isdisjoint(re.split(r"[^a-z0-9]+", key.lower()))
 
 
 def committed_at(path: Path) -> str | None:
