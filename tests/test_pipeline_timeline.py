@@ -3,9 +3,9 @@
 Every stage sleeps a fixed time per micro-batch in forward (T_F / v) and backward (T_B / v), so the
 ideal timeline is known: the measured bubble of every schedule must be within 5 percentage points of
 (p - 1) / (v m + p - 1) (Narayanan et al. 2021 §2.2), 1F1B keeps at most p micro-batches live per
-stage and GPipe all m. Sleeping gives a fixed cost per micro-batch; nothing here limits wall time. The 5 points leave room for
-the Python work between sleeps on a loaded 2-core machine (CI measured ZB-H1 at 14.3 % against 11.1 %); the
-schedules differ by more (1F1B 27 %, GPipe 27 %, interleaved 16 %, ZB-H1 11 % at p 4, m 8).
+stage and GPipe all m. Sleeping gives a fixed cost per micro-batch; nothing here limits wall time. The 5 points
+leave room for the Python work between sleeps on a loaded 2-core machine (CI measured ZB-H1 at 14.3 % against
+11.1 %); the schedules differ by more (1F1B 27 %, GPipe 27 %, interleaved 16 %, ZB-H1 11 % at p 4, m 8).
 Replayed with the measured compute times and free communication, each schedule's bubble is within 1 point of
 the formula (the stages are equal) and no larger than the measured one. The Gantt chart and Chrome trace writers
 run on the measured timelines.
