@@ -15,7 +15,6 @@ report is the median stall of each and their ratio (async / sync), with the byte
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -24,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from shardwise.bench_result import BenchRun, add_machine_note
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ckpt.json"
 
@@ -69,8 +70,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--json", type=Path, default=RESULTS)
+    add_machine_note(parser)
     args = parser.parse_args(argv)
-    report: dict = {"date": datetime.date.today().isoformat(), "host": platform.node(), "cpus": os.cpu_count(),
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
+    report: dict = {"host": platform.node(), "cpus": os.cpu_count(),
                     "config": vars(args) | {"json": str(args.json)}}
     with tempfile.TemporaryDirectory() as tmp:
         for name, asynchronous in (("sync", False), ("async", True)):
@@ -86,9 +89,7 @@ def main(argv=None) -> int:
           f"(= {ratio:.1%} of sync); background write {report['async']['median_write_s']:.3f} s; step after a "
           f"checkpoint {report['async']['median_step_after_checkpoint_s']:.3f} s vs other steps "
           f"{report['async']['median_other_step_s']:.3f} s (async)")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    bench_run.write(args.json, report)
     return 0
 
 

@@ -12,4 +12,4 @@ import sys
 from shardwise.dist.comm.bench import main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())  # main(None): the command recorded is this script's, as invoked

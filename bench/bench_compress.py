@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
 import platform
 import statistics
@@ -37,6 +35,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ddp import build_model  # noqa: E402 - the same small GPT as the data-parallel benchmark
 
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
 from shardwise.dist import free_port, shutdown_distributed  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compress.json"
@@ -115,7 +114,9 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--json", default=str(RESULTS))
+    add_machine_note(p)
     args = p.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     if "none" not in args.methods:
         args.methods = ["none", *args.methods]
 
@@ -137,15 +138,12 @@ def main(argv=None) -> dict:
                       "losses": run["losses"][m]}
     result = {
         "benchmark": "gradient compression in data-parallel training (bytes sent and step time vs uncompressed)",
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "backend": "gloo", "nproc": args.nproc, "algorithm": args.algorithm, "topk_ratio": args.topk_ratio,
         "batch_per_rank": args.batch, "seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps,
         "model": run["model"], "methods": methods,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1))
+    bench_run.write(args.json, result)
     print(f"{args.nproc} ranks, {run['model']['parameters'] / 1e6:.1f}M parameters, algorithm {args.algorithm}")
     print("| method | bytes sent / step | x none | step (ms) | x none | final loss (- none) |")
     print("|---|---:|---:|---:|---:|---:|")

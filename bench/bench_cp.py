@@ -24,7 +24,6 @@ Results go to bench/results/cp.json and bench/results/cp.png. gloo on CPU.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -40,6 +39,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tp import _SavedBytes  # noqa: E402  (the same activation probe)
 
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
 from shardwise.dist import free_port, shutdown_distributed  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -202,7 +202,10 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip torch's context_parallel")
     p.add_argument("--json", default=None, help="default bench/results/cp.json (plot beside it)")
+    add_machine_note(p)
     args = p.parse_args(argv)
+    out = Path(args.json) if args.json else RESULTS / "cp.json"
+    bench_run = BenchRun.start(__file__, argv, args, output=out)
     rows = []
     for seq in (int(s) for s in args.seq_lens.split(",")):
         for cp in (int(c) for c in args.cps.split(",")):
@@ -213,15 +216,12 @@ def main(argv=None) -> dict:
         if r["seq_len"] in base:
             r["memory_vs_cp1_times_cp"] = r["saved_bytes_max"] * r["cp"] / base[r["seq_len"]]["saved_bytes_max"]
     result = {"benchmark": f"context parallel ({args.algorithm}, head-tail) vs cp=1 and torch context_parallel",
-              "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-              "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+              "torch": torch.__version__,
               "platform": platform.platform(), "cpu_count": os.cpu_count(), "backend": "gloo",
               "threads_per_rank": args.threads, "model": {k: getattr(args, k) for k in
                                                           ("d_model", "n_layers", "n_heads", "n_kv_heads", "vocab")},
               "batch": args.batch, "rows": rows}
-    out = Path(args.json) if args.json else RESULTS / "cp.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    bench_run.write(out, result)
     _plot(rows, out.with_suffix(".png"))
     print(f"{'seq':>6} {'cp':>3} {'act MiB':>9} {'x cp / cp1':>10} {'step s':>8} {'cp MiB/step':>11} {'torch cp':>10}")
     for r in rows:

@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
 import platform
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -36,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from shardwise.bench_result import BenchRun, add_machine_note
 from shardwise.dist import free_port, shutdown_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ddp.json"
@@ -183,7 +181,9 @@ def main(argv=None) -> dict:
                    help="also time a third replica trained without gradient synchronisation")
     p.add_argument("--memory-steps", type=int, default=3, help="steps of each single-variant memory run (0: skip)")
     p.add_argument("--json", default=str(RESULTS), help="where to write the results")
+    add_machine_note(p)
     args = p.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     if args.threads * args.nproc > (os.cpu_count() or 1):
         args.threads = max(1, (os.cpu_count() or 1) // args.nproc)
 
@@ -194,8 +194,6 @@ def main(argv=None) -> dict:
     loss_gap = max(abs(a - b) for a, b in zip(run["losses"]["ours"], run["losses"]["torch"], strict=True))
     result = {
         "benchmark": "data parallel: shardwise DataParallel vs torch DistributedDataParallel",
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "backend": args.backend, "nproc": args.nproc, "threads_per_rank": args.threads,
         "bucket_mb": args.bucket_mb, "batch_per_rank": args.batch, "seq_len": args.seq_len,
@@ -222,8 +220,7 @@ def main(argv=None) -> dict:
         result["ratio_peak_rss"] = result["ours"]["peak_rss_mb"] / result["torch_ddp"]["peak_rss_mb"]
 
     out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    bench_run.write(out, result)
     _print_table(result, out)
     return result
 

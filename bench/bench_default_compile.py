@@ -15,7 +15,6 @@ The README makes compile the CPU default only where the whole run is at least 15
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -28,8 +27,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "default_compile.json"
-sys.path.insert(0, str(REPO / "bench"))
-from trainer_bench import write_json  # noqa: E402
+if str(REPO / "src") not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(REPO / "src"))
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
 
 VARIANTS = {"eager": [], "compile": ["--train.compile", "true"]}
 
@@ -55,7 +55,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=1, help="runs of each variant, the order alternating")
     ap.add_argument("--timeout-s", type=float, default=1500.0, help="a run taking longer fails the benchmark")
     ap.add_argument("--json", type=Path, default=RESULTS)
+    add_machine_note(ap)
     args = ap.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     import torch
 
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
@@ -69,12 +71,12 @@ def main(argv=None) -> dict:
                       f"{got['final_val_loss']:.4f}", flush=True)
     wall = {v: statistics.median(x["wall_s"] for x in runs[v]) for v in VARIANTS}
     result = {"benchmark": "default run: shardwise train vs shardwise train --train.compile true",
-              "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+              "host": platform.node(),
               "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
               "load_average_at_end": os.getloadavg(), "runs": runs, "median_wall_s": wall,
               "ratio_compile_over_eager": wall["compile"] / wall["eager"]}
     print(f"compile / eager, whole run: {result['ratio_compile_over_eager']:.3f}")
-    write_json(args.json, result)
+    bench_run.write(args.json, result)
     return result
 
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import platform
@@ -58,6 +57,7 @@ BENCH = Path(__file__).resolve().parent
 if str(BENCH.parent / "src") not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(BENCH.parent / "src"))
 sys.path.insert(0, str(BENCH))
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
 
 RESULTS = BENCH / "results" / "dispatch.json"
 DENSE = {"model.preset": "tiny-llama"}
@@ -400,7 +400,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--cache-dir", default="")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a layout's processes may take")
     ap.add_argument("--json", type=Path, default=RESULTS)
+    add_machine_note(ap)
     args = ap.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/bench_dispatch.py --device cuda needs a CUDA GPU, but torch.cuda.is_available() is False; run "
               "it on a GPU machine, or with --device cpu", file=sys.stderr)
@@ -427,9 +429,7 @@ def main(argv=None) -> dict:
     if not args.no_dropout_sites:
         result["dropout_sites"] = dropout_sites()
     print_table(result)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(f"wrote {args.json}")
+    bench_run.write(args.json, result)
     return result
 
 

@@ -11,14 +11,14 @@ ratio. Rounds alternate the two so drift hits both.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from shardwise.bench_result import BenchRun, add_machine_note
 
 RESULTS = Path(__file__).resolve().parent / "results" / "generate.json"
 
@@ -55,7 +55,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=RESULTS)
+    add_machine_note(parser)
     args = parser.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
 
     model = build_model(args).eval()
     g = torch.Generator().manual_seed(0)
@@ -75,10 +77,9 @@ def main(argv=None) -> int:
             rows.append({"batch": batch, "new_tokens": args.new_tokens, "cache_tokens_per_s": cached,
                          "no_cache_tokens_per_s": plain, "speedup": cached / plain})
             print(f"batch {batch}: {cached:,.0f} tokens/s with the cache, {plain:,.0f} without ({cached / plain:.2f}x)")
-    report = {"date": datetime.date.today().isoformat(), "host": platform.node(), "threads": torch.get_num_threads(),
+    report = {"host": platform.node(), "threads": torch.get_num_threads(),
               "model": args.run_dir or args.preset, "max_seq_len": model.cfg.max_seq_len, "rows": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    bench_run.write(args.json, report)
     return 0
 
 

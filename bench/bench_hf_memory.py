@@ -23,14 +23,14 @@ Results: ``bench/results/hf_memory.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import multiprocessing as mp
 import platform
 import socket
 import sys
 import tempfile
 from pathlib import Path
+
+from shardwise.bench_result import BenchRun, add_machine_note
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hf_memory.json"
 MB = 10**6
@@ -234,10 +234,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dir", type=Path, help="where to write the models (default: a temporary directory)")
     parser.add_argument("--only", choices=["export", "import"], help="measure one side only")
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    add_machine_note(parser)
     args = parser.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     import_shape, export_shape, shard = SIZES["quick" if args.quick else "full"]
     ctx = mp.get_context("spawn")
-    report: dict = {"date": datetime.date.today().isoformat(), "host": platform.node(), "quick": args.quick}
+    report: dict = {"host": platform.node(), "quick": args.quick}
     report["export"], report["import"] = {"ok": True}, {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         _child(ctx, write_inputs, tmp, export_shape if args.only != "import" else None,
@@ -247,9 +249,8 @@ def main(argv=None) -> int:
         if args.only != "export":
             report["import"] = measure_import_side(ctx, tmp, import_shape, args.layouts)
     report["ok"] = report["export"]["ok"] and all(r["ok"] for rows in report["import"].values() for r in rows)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.json}; all within bounds: {report['ok']}")
+    bench_run.write(args.json, report)
+    print(f"all within bounds: {report['ok']}")
     return 0 if report["ok"] else 1
 
 

@@ -24,8 +24,6 @@ within 3 % of the plain loop, MFU >= 50 % on an H100 -- not measured yet.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import platform
 import statistics
 import sys
@@ -35,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_bench import exit_without_cuda, gpt_overrides, parameters, run_trainer, trainer_config  # noqa: E402
+
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "mfu.json"
 
@@ -96,7 +96,9 @@ def main(argv=None) -> None:
     ap.add_argument("--cache-dir", default="")
     ap.add_argument("--json", type=Path, default=RESULTS)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 3 steps: checks the script only")
+    add_machine_note(ap)
     args = ap.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     if args.smoke:
         args.layers, args.d_model, args.heads, args.vocab, args.seq_len, args.micro_batch = 2, 64, 4, 257, 32, 2
         args.steps, args.warmup, args.compile = 2, 1, ["off"]  # compiling on the CPU takes minutes
@@ -145,13 +147,10 @@ def main(argv=None) -> None:
                       + (f"  MFU ours {row['ours']['mfu']:.1%} plain {row['plain']['mfu']:.1%}" if peak else ""),
                       flush=True)
     out = {"benchmark": "mfu", "smoke": args.smoke, "measured": not args.smoke,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name() if device_name == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "parameters": n_params, "flops_per_token": flops, "peak_flops": peak,
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "results": results}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    bench_run.write(args.json, out)
 
 
 if __name__ == "__main__":

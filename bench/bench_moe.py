@@ -21,12 +21,9 @@ Results go to bench/results/moe.json. Timings on a shared or oversubscribed mach
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardwise.bench_result import BenchRun, add_machine_note
 from shardwise.dist import free_port, shutdown_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -183,7 +181,9 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--balance-steps", type=int, default=100, help="trainer steps with and without the aux loss")
     p.add_argument("--json", default=str(RESULTS / "moe.json"))
+    add_machine_note(p)
     args = p.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
 
     speed = _launch(_worker, args)
     rows = {}
@@ -205,14 +205,11 @@ def main(argv=None) -> dict:
             balance = _launch(_balance_worker, args)
     result = {
         "benchmark": "expert parallelism: ep 1/2/4, our pairwise all-to-all vs the backend's; load balance",
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "backend": "gloo", "args": {k: v for k, v in vars(args).items() if k != "configs"},
         "speed": rows, "balance": {f"aux_coeff={k}": v for k, v in balance.items()},
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
+    bench_run.write(args.json, result)
     print(f"{'layout':<16} {'step s':>9} {'tokens/s':>10} {'a2a s':>9} {'ours/native step':>17} {'a2a':>7}")
     for name, r in rows.items():
         ratio = f"{r['step_ratio_vs_native']:.2f}" if "step_ratio_vs_native" in r else ""

@@ -24,7 +24,6 @@ Results go to bench/results/moe_block.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import platform
 import statistics
 import sys
@@ -36,8 +35,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "src") not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "bench"))
-from trainer_bench import write_json  # noqa: E402
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "moe_block.json"
 
@@ -170,18 +168,20 @@ def main(argv=None):
                     help="transformers expert implementations to compare with (batched_mm too: slow on CPU)")
     ap.add_argument("--kernels", action="store_true", help="also time our three expert kernels (part 2)")
     ap.add_argument("--json", type=Path, default=RESULTS)
+    add_machine_note(ap)
     args = ap.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     torch.set_num_threads(args.threads)
     import transformers
 
     result = {"benchmark": "MoE block forward+backward: ours vs transformers MixtralSparseMoeBlock, top-k = E",
-              "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+              "host": platform.node(),
               "torch": torch.__version__, "transformers": transformers.__version__,
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "blocks": [compare(args, e) for e in args.experts]}
     if args.kernels:
         result["kernels"] = kernels(args)
-    write_json(args.json, result)
+    bench_run.write(args.json, result)
 
 
 if __name__ == "__main__":

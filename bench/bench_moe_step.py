@@ -16,7 +16,6 @@ Results go to bench/results/moe_step.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import platform
 import statistics
 import sys
@@ -27,7 +26,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from trainer_bench import run_trainer, trainer_config, write_json  # noqa: E402
+from trainer_bench import run_trainer, trainer_config  # noqa: E402
+
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "moe_step.json"
 
@@ -62,7 +63,9 @@ def main(argv=None):
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--max-bytes", type=int, default=2_000_000)
     ap.add_argument("--json", type=Path, default=RESULTS)
+    add_machine_note(ap)
     args = ap.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     import torch
 
     runs: dict[str, list[dict]] = {"dense": [], "moe": []}
@@ -77,14 +80,14 @@ def main(argv=None):
                "cpu_s_per_step": statistics.median(x["cpu_s_per_step"] for x in v),
                "final_loss": v[-1]["final_loss"]} for k, v in runs.items()}
     result = {"benchmark": f"trainer step: {args.experts} experts top-{args.top_k} vs dense, same active FLOPs",
-              "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+              "host": platform.node(),
               "torch": torch.__version__, "threads": torch.get_num_threads(),
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "median": med, "runs": runs,
               "ratio_step_time": med["moe"]["step_time_s"] / med["dense"]["step_time_s"],
               "ratio_cpu": med["moe"]["cpu_s_per_step"] / med["dense"]["cpu_s_per_step"]}
     print(f"MoE / dense: step time {result['ratio_step_time']:.3f}, cpu {result['ratio_cpu']:.3f}")
-    write_json(args.json, result)
+    bench_run.write(args.json, result)
 
 
 if __name__ == "__main__":

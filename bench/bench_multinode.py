@@ -31,6 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shardwise.bench_result import BenchRun, add_machine_note
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "netns_cluster.sh"
 PREFIX, SUBNET = f"swb{os.getpid() % 100000}n", "10.77.0"
@@ -300,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     p.add_argument("--latency", type=float, help=argparse.SUPPRESS)
+    add_machine_note(p)
     args = p.parse_args(argv)
     if args.worker is not None:
         args.rank = args.worker
@@ -308,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("error: bench_multinode makes network namespaces, which needs root", file=sys.stderr)
         return 2
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     result: dict = {"rate": args.rate}
     try:
         sh("up", args.rate)
@@ -344,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         sh("down")
     print(report(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        bench_run.write(args.json, result)
     return 0
 
 

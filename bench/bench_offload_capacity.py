@@ -26,7 +26,6 @@ the parameters with CPU offload -- not measured yet.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import subprocess
@@ -36,6 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_bench import exit_without_cuda, gpt_overrides, parameters, run_trainer, trainer_config  # noqa: E402
+
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "offload_capacity.json"
 MODES = {"none": {"parallel.zero": 0}, "cpu": {"parallel.zero": 2, "parallel.offload": "cpu"},
@@ -146,6 +147,7 @@ def main(argv=None) -> None:
     ap.add_argument("--trial-processes", action="store_true", help="with --smoke: a process per trial all the same")
     ap.add_argument("--trial", nargs=2, metavar=("MODE", "LAYERS"), help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    add_machine_note(ap)
     raw = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(raw)
     args.passthrough = [a for a in raw if a not in ("--in-process",)]
@@ -159,6 +161,7 @@ def main(argv=None) -> None:
     if args.trial:  # a child: one trial, its result as the last line of stdout
         print(json.dumps(trial(args, args.trial[0], int(args.trial[1]), args.work)), flush=True)
         return
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
 
     import torch
 
@@ -173,7 +176,6 @@ def main(argv=None) -> None:
             r["parameters_over_no_offload"] = r["largest"]["parameters"] / base["parameters"]
             r["tokens_per_s_over_no_offload"] = r["largest"]["tokens_per_s"] / base["tokens_per_s"]
     out = {"benchmark": "offload_capacity", "smoke": args.smoke, "measured": not args.smoke,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
            "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory
            if torch.cuda.is_available() and not args.smoke else None,
@@ -181,15 +183,13 @@ def main(argv=None) -> None:
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                     if k not in ("trial", "work", "passthrough")},
            "results": results}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2) + "\n")
+    bench_run.write(args.json, out)
     for r in results:
         g = r["largest"]
         print(f"{r['mode']:4s}: " + (f"{g['parameters'] / 1e6:.1f}M parameters ({g['layers']} layers), "
                                      f"{g['tokens_per_s']:.0f} tok/s" if g else "nothing trained")
               + (f", {r['parameters_over_no_offload']:.2f}x the parameters without offload"
                  if "parameters_over_no_offload" in r else ""))
-    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ which must agree (same initialisation, data and optimizer).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import platform
@@ -26,6 +25,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from shardwise.bench_result import BenchRun, add_machine_note
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overhead.json"
 
@@ -109,7 +110,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="steps of each run left out of the medians")
     ap.add_argument("--max-bytes", type=int, default=4_000_000, help="corpus bytes to tokenize (data.max_bytes)")
     ap.add_argument("--json", default=str(RESULTS))
+    add_machine_note(ap)
     args = ap.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json or None)
     torch.set_num_threads(torch.get_num_threads())
     steps = {"plain": [], "ours": []}
     losses = {}
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
     diff = max(abs(a - b) for a, b in zip(losses["plain"], losses["ours"], strict=True))
     out = {
         "benchmark": "framework overhead: shardwise train (1 process) vs a plain PyTorch loop",
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+        "host": platform.node(),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "args": vars(args),
         "step_s_median": med, "ratio_ours_over_plain": med["ours"] / med["plain"],
         "max_loss_difference": diff, "losses_finite": all(math.isfinite(x) for x in losses["ours"]),
@@ -131,8 +134,7 @@ def main(argv=None) -> int:
     print(f"median step: plain {med['plain'] * 1e3:.1f} ms, ours {med['ours'] * 1e3:.1f} ms, "
           f"ratio {out['ratio_ours_over_plain']:.3f} (target <= 1.03); max loss difference {diff:.2e}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        bench_run.write(args.json, out)
     return 0
 
 

@@ -19,8 +19,6 @@ on the machine hits all alike. gloo on CPU, fp32.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import statistics
@@ -36,6 +34,8 @@ from shardwise.dist import free_port, shutdown_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_zero import build_model  # noqa: E402 - the same model as the ZeRO benchmark's
+
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overlap.json"
 DATA_PARALLEL = ("dp", "zero1", "zero1_wait", "zero2", "zero2_wait")
@@ -112,11 +112,11 @@ def main(argv=None) -> dict:
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--json", default=str(RESULTS))
+    add_machine_note(p)
     args = p.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     out = {"benchmark": "overlap: ZeRO-1/2 vs data parallelism, decomposed tensor parallelism, exposed time",
-           "command": "python bench/bench_overlap.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
-           "platform": platform.platform(), "machine": platform.node(), "cpu_count": os.cpu_count(),
+           "torch": torch.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count(),
            "backend": "gloo", "precision": "fp32", "args": vars(args), "worlds": {}}
     print(f"{'ranks':<6}{'variant':<12}{'step (median)':>14}{'exposed (median)':>18}{'ratio':>8}")
     for world in args.worlds:
@@ -137,8 +137,7 @@ def main(argv=None) -> dict:
             ratio = ratios.get(f"{v}/{base}", {}).get("step_time", 1.0)
             print(f"{world:<6}{v:<12}{r['step_s_median']:>13.4f}s{r['exposed_s_median']:>17.4f}s{ratio:>8.3f}",
                   flush=True)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    bench_run.write(args.json, out)
     return out
 
 

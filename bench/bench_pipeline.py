@@ -21,12 +21,9 @@ gloo on CPU, one intra-op thread per rank.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -35,6 +32,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.bench_result import BenchRun, add_machine_note
 from shardwise.dist import free_port, shutdown_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -179,10 +177,10 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=RESULTS / "pipeline.json")
     p.add_argument("--timeline-png", type=Path, default=RESULTS / "pipeline_timeline.png")
+    add_machine_note(p)
     args = p.parse_args(argv)
-    report = {"command": "python bench/bench_pipeline.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
+    report = {"host": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
               "model": {"preset": args.preset, "n_layers": args.n_layers, "seq_len": args.seq_len, "batch": args.batch},
               "runs": {}}
     for nproc in args.nproc:
@@ -190,8 +188,7 @@ def main(argv=None) -> dict:
         queue = ctx.SimpleQueue()
         mp.start_processes(_worker, args=(nproc, args, free_port(), queue), nprocs=nproc, start_method="spawn")
         report["runs"][str(nproc)] = queue.get()
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    bench_run.write(args.json, report)
     print(f"{'ranks':>5} {'schedule':>12} {'ours ms':>9} {'torch ms':>9} {'ratio':>6} {'ideal ms':>9} {'bound':>6} "
           f"{'bubble':>7} {'replay':>7} {'theory':>7}")
     for nproc, runs in report["runs"].items():
@@ -199,7 +196,6 @@ def main(argv=None) -> dict:
             print(f"{nproc:>5} {schedule:>12} {r['median_s']['ours'] * 1e3:9.1f} {r['median_s']['torch'] * 1e3:9.1f} "
                   f"{r['ratio_ours_over_torch']:6.3f} {r['ideal_s'] * 1e3:9.1f} {r['ratio_ideal_over_torch']:6.3f} "
                   f"{r['bubble_measured']:7.1%} {r['bubble_replayed']:7.1%} {r['bubble_theory']:7.1%}")
-    print(f"wrote {args.json}")
     return report
 
 

@@ -28,8 +28,6 @@ the system and RSS follows the live tensors for both engines alike.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import resource
@@ -48,6 +46,8 @@ from shardwise.dist import free_port, shutdown_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import _Logits, _loss  # noqa: E402 - a stage as torch's pipelining calls it, and its loss
+
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pp_fsdp.json"
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
@@ -233,7 +233,9 @@ def main(argv=None) -> dict:
     p.add_argument("--mmap-threshold", type=int, default=65536,
                    help="MALLOC_MMAP_THRESHOLD_ for the workers (glibc; 0: leave the allocator's default)")
     p.add_argument("--json", default=str(RESULTS))
+    add_machine_note(p)
     args = p.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     if args.mmap_threshold:  # read by glibc at start-up of each spawned worker
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     timed = _launch(_time_worker, args)
@@ -253,15 +255,13 @@ def main(argv=None) -> dict:
         n_params = Transformer(cfg.model).num_parameters()
     out = {"benchmark": "ZeRO-3 inside a pipeline (pp 2 x dp 2): shardwise vs torch.distributed.pipelining "
                         "stages wrapped by fully_shard",
-           "command": "python bench/bench_pp_fsdp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+           "torch": torch.__version__,
            "platform": platform.platform(), "cpu_count": os.cpu_count(), "backend": "gloo", "precision": "fp32",
            "schedule": args.schedule, "microbatches": args.microbatches, "micro_batch": args.micro_batch,
            "d_model": args.d_model, "n_layers": args.n_layers, "seq_len": args.seq_len, "parameters": n_params,
            "warmup": args.warmup, "steps": args.steps, "malloc_mmap_threshold": args.mmap_threshold,
            "loss_max_abs_diff": timed["loss_max_abs_diff"], "runs": runs, "ratios": ratios}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    bench_run.write(args.json, out)
     print(f"model {n_params / 1e6:.1f}M parameters, fp32, gloo, pp {PP} x dp {DP}, ZeRO-3, {args.schedule}, "
           f"{args.microbatches} micro-batches of {args.micro_batch}")
     for e in ENGINES:

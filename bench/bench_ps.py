@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shardwise.bench_result import BenchRun, add_machine_note
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -116,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="bsp,ssp1,ssp3,asp")
     ap.add_argument("--json", type=Path, default=RESULTS / "ps.json")
     ap.add_argument("--plot", type=Path, default=None)
+    add_machine_note(ap)
     args = ap.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "allreduce"
@@ -150,9 +154,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['bytes_per_worker_step'] / 1e6:15.2f} {r.get('staleness_max', 0):9.0f}")
     print(f"all-reduce ring puts 2(n-1)/n = {2 * (n - 1) / n:.2f} x M on the wire per worker; "
           "a parameter-server worker pushes M and pulls M")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "delay": delay,
-                                     "results": results}, indent=1))
+    bench_run.write(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "delay": delay,
+                                "results": results})
     if args.plot:
         import matplotlib
 

@@ -36,13 +36,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
 import platform
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -50,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardwise.bench_result import BenchRun, add_machine_note
 from shardwise.dist import free_port, shutdown_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -245,7 +243,11 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="intra-op threads per rank")
     p.add_argument("--memory-steps", type=int, default=2, help="steps of each single-variant memory run (0: skip)")
     p.add_argument("--json", default=None, help="where to write the results (default bench/results/tp[_sp].json)")
+    add_machine_note(p)
     args = p.parse_args(argv)
+    stem = ("tp_sp" if args.sp else "tp") + ("_dropout" if args.dropout else "")
+    out = Path(args.json) if args.json else RESULTS / f"{stem}.json"
+    bench_run = BenchRun.start(__file__, argv, args, output=out)
     if args.threads * args.nproc > (os.cpu_count() or 1):
         args.threads = max(1, (os.cpu_count() or 1) // args.nproc)
     if args.vocab % args.nproc:
@@ -259,8 +261,6 @@ def main(argv=None) -> dict:
     result = {
         "benchmark": "tensor parallel" + (" + sequence parallel" if args.sp else "")
                      + ": shardwise apply_tensor_parallel vs torch DTensor parallelize_module",
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "backend": "gloo", "tp": args.nproc, "sequence_parallel": args.sp, "threads_per_rank": args.threads,
         "batch": args.batch, "seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps,
@@ -280,10 +280,7 @@ def main(argv=None) -> dict:
         for kind, key in (("ours", "ours"), ("torch", "torch_dtensor")):
             result[key]["peak_rss_mb"] = _launch(args, kind)["peak_rss_mb"]
         result["ratio_peak_rss"] = result["ours"]["peak_rss_mb"] / result["torch_dtensor"]["peak_rss_mb"]
-    stem = ("tp_sp" if args.sp else "tp") + ("_dropout" if args.dropout else "")
-    out = Path(args.json) if args.json else RESULTS / f"{stem}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    bench_run.write(out, result)
     _print_table(result, out)
     return result
 

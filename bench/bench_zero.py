@@ -32,13 +32,10 @@ bench_ddp.py's interleaving; rerun to see the spread.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -46,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardwise.bench_result import BenchRun, add_machine_note
 from shardwise.dist import free_port, shutdown_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results" / "zero.json"
@@ -212,7 +210,9 @@ def main(argv=None) -> dict:
     p.add_argument("--mmap-threshold", type=int, default=65536,
                    help="MALLOC_MMAP_THRESHOLD_ for the workers (glibc; 0: leave the allocator's default)")
     p.add_argument("--json", default=str(RESULTS))
+    add_machine_note(p)
     args = p.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     if args.variants is None:
         args.variants = [v for v in VARIANTS if v not in DEEPSPEED or have_deepspeed()]
     if any(v in DEEPSPEED for v in args.variants):
@@ -222,8 +222,7 @@ def main(argv=None) -> dict:
     if args.mmap_threshold:  # read by glibc at start-up of each spawned worker
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     out = {"benchmark": "ZeRO: shardwise ZeRO-1/2/3 vs torch ZeroRedundancyOptimizer and fully_shard",
-           "command": "python bench/bench_zero.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+           "torch": torch.__version__,
            "platform": platform.platform(), "cpu_count": os.cpu_count(), "backend": "gloo",
            "precision": "fp32", "d_model": args.d_model, "n_layers": args.n_layers, "seq_len": args.seq_len,
            "batch_per_rank": args.batch, "warmup": args.warmup, "steps": args.steps,
@@ -257,8 +256,7 @@ def main(argv=None) -> dict:
                 }
         out["worlds"][str(world)] = {"runs": runs, "ratios": ratios}
         out["parameters"] = next(iter(runs.values()))["parameters"]
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    bench_run.write(args.json, out)
     print(f"\nmodel {out['parameters'] / 1e6:.1f}M parameters, fp32, gloo; ratios ours / peer:")
     print(f"{'ranks':<6}{'pair':<38}{'step time':>10}{'peak RSS':>10}{'peak above start':>18}"
           f"{'training RSS above start':>26}{'max |loss diff|':>17}")

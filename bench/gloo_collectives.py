@@ -32,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "bench")]
 
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
+
 SIZES = tuple(4096 * 4**i for i in range(7))
 """4 KiB .. 16 MiB."""
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
@@ -191,12 +193,14 @@ def main() -> int:
     ap.add_argument("--into", type=Path, nargs="*", default=[],
                     help="hardware files to write the table into, one per --world (replacing their own)")
     ap.add_argument("--json", type=Path, help="the medians and fits")
+    add_machine_note(ap)
     args = ap.parse_args()
     if args.into and len(args.into) != len(args.world):
         ap.error(f"--into names {len(args.into)} files for {len(args.world)} --world values")
     for path in args.into:
         if not path.is_file():
             ap.error(f"--into {path}: no such hardware file")
+    bench_run = BenchRun.start(__file__, None, args, output=args.json)
     report = {}
     for i, world in enumerate(args.world):
         measured = run(world)
@@ -212,9 +216,7 @@ def main() -> int:
         if args.into:
             write_into(args.into[i], toml_table(fitted))
     if args.json:
-        from trainer_bench import write_json
-
-        write_json(args.json, report)
+        bench_run.write(args.json, report)
     return 0
 
 

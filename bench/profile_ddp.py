@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -32,6 +31,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ddp  # noqa: E402
 
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
 from shardwise.dist import free_port, shutdown_distributed  # noqa: E402
 
 VARIANTS = {"ours": None, "ours_last_1mb": 1.0, "torch": None}
@@ -119,7 +119,9 @@ def main(argv=None) -> dict:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--json", type=Path, default=None)
+    add_machine_note(p)
     args = p.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(args, free_port(), queue), nprocs=args.nproc, start_method="spawn")
@@ -139,7 +141,7 @@ def main(argv=None) -> dict:
         print(line + (f"; inside: {inside}" if inside else "")
               + f"; / torch: step {ratio['step']:.3f}, cpu {ratio['process_cpu']:.3f}")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        bench_run.write(args.json, result)
     return result
 
 

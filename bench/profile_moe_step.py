@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
+
+from shardwise.bench_result import BenchRun, add_machine_note
 
 INDEX_OPS = ("aten::index_select", "aten::index_add", "aten::index_add_", "aten::scatter_add_", "aten::index",
              "aten::index_put_", "aten::repeat_interleave")
@@ -121,10 +122,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--json", type=Path, default=None)
+    add_machine_note(ap)
     args = ap.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     torch.set_num_threads(args.threads)
-    report = {"command": "python bench/profile_moe_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "threads": args.threads, "load_average_start": list(os.getloadavg())}
+    report = {"threads": args.threads, "load_average_start": list(os.getloadavg())}
     for name, moe in (("dense", False), ("moe", True)):
         report[name] = profile_step(build(moe, args.batch))
         print(name, " ".join(f"{k} {v:.1f}" for k, v in report[name].items()))
@@ -132,10 +134,7 @@ def main(argv=None) -> dict:
     print("one 64-expert map, f+b:", " ".join(f"{k} {v:.2f}" for k, v in report["kernels_one_map"].items()))
     report["load_average_end"] = list(os.getloadavg())
     if args.json:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from trainer_bench import write_json
-
-        write_json(args.json, report)
+        bench_run.write(args.json, report)
     return report
 
 

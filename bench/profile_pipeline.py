@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_pipeline  # noqa: E402
 
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
 from shardwise.dist import free_port, shutdown_distributed  # noqa: E402
 
 PARTS = ("step", "F", "B", "post", "wait", "other")
@@ -138,7 +139,9 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
+    add_machine_note(p)
     args = p.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(args.nproc, args, free_port(), queue), nprocs=args.nproc, start_method="spawn")
@@ -148,13 +151,10 @@ def main(argv=None) -> dict:
     for rank, medians in enumerate(per_rank):
         for name, row in medians.items():
             print(f"{rank:>4} {name:>6} " + " ".join(f"{row[k] * 1e3:7.1f}" for k in PARTS))
-    report = {"command": "python bench/profile_pipeline.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "schedule": args.schedule, "nproc": args.nproc, "microbatches": args.microbatches,
+    report = {"schedule": args.schedule, "nproc": args.nproc, "microbatches": args.microbatches,
               "median_s_per_rank": per_rank}
     if args.json:
-        from trainer_bench import write_json
-
-        write_json(args.json, report)
+        bench_run.write(args.json, report)
     return report
 
 

@@ -26,15 +26,14 @@ beside the published one (both PaLM's count, full attention), the exposed commun
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from shardwise.bench_result import SIMULATION, BenchRun, add_machine_note  # noqa: E402
 from shardwise.sim import exposure  # noqa: E402
 from shardwise.sim.hardware import build_hardware  # noqa: E402
 from shardwise.sim.simulate import load_config, simulate  # noqa: E402
@@ -100,7 +99,10 @@ def main() -> int:
     ap.add_argument("--rows", nargs="*", help="sizes to run (default: all), e.g. 1.7B 70B")
     ap.add_argument("--quiet", action="store_true", help="no causes, one line per layout")
     ap.add_argument("--json", type=Path)
+    add_machine_note(ap)
     args = ap.parse_args()
+    bench_run = BenchRun.start(__file__, None, args, output=args.json,
+                               note=f"{SIMULATION} (the catalogue's H100 SXM nodes of 8)")
     out = []
     for row in TABLE:
         if args.rows and row[0] not in args.rows:
@@ -118,12 +120,9 @@ def main() -> int:
                 for line in r["lines"][1:]:
                     print("      " + line)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-               "machine": "any (the simulator is deterministic; it models the catalogue's H100 SXM nodes of 8)",
-               "source": "Megatron-LM README images/model_table.png (commit f2e5db4, 2024-07-15)",
+        doc = {"source": "Megatron-LM README images/model_table.png (commit f2e5db4, 2024-07-15)",
                "rows": [{k: v for k, v in r.items() if k != "lines"} for r in out]}
-        args.json.write_text(json.dumps(doc, indent=1, default=str))
+        bench_run.write(args.json, doc)
     return 0
 
 

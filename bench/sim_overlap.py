@@ -23,14 +23,15 @@ For each: step time, MFU and exposed communication per axis (s, the busiest rank
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT / "src"))
+from shardwise.bench_result import SIMULATION, BenchRun, add_machine_note  # noqa: E402
 
 LAYOUTS = [  # name, layers, d_model, heads, tp, pp, zero
     ("1.7B dp", 24, 2048, 16, 1, 1, 0),
@@ -81,7 +82,9 @@ def main() -> int:
     ap.add_argument("--before-src", type=Path, help="the src directory of the engine to compare with (e.g. main's)")
     ap.add_argument("--only", help="run only the layouts whose name contains this")
     ap.add_argument("--json", type=Path)
+    add_machine_note(ap)
     args = ap.parse_args()
+    bench_run = BenchRun.start(__file__, None, args, output=args.json, note=SIMULATION)
     off = {"parallel.zero_overlap_param_gather": "false", "parallel.zero_overlap_grad_reduce": "false"}
     rows = []
     for name, layers, d, heads, tp, pp, zero in LAYOUTS:
@@ -111,9 +114,7 @@ def main() -> int:
             cells.append(f"{k}: {r['step_time_s']:.3f} s MFU {100 * r['mfu']:.1f}% ({exp})")
         print(f"{name:>15} ({nodes * 8:>5} GPUs) | " + " | ".join(cells), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                                         "machine": platform.node(), "command": " ".join(sys.argv),
-                                         "rows": rows}, indent=1))
+        bench_run.write(args.json, {"rows": rows})
     return 0
 
 

@@ -24,7 +24,6 @@ both, and 96 / 8 = 12) at batch sizes 12 to 60 (micro-batch 1).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from shardwise.bench_result import SIMULATION, BenchRun, add_machine_note  # noqa: E402
 from shardwise.plan.flops import megatron_flops_per_iteration  # noqa: E402
 from shardwise.sim.hardware import build_hardware  # noqa: E402
 from shardwise.sim.simulate import load_config, simulate  # noqa: E402
@@ -109,7 +109,9 @@ def main() -> int:
                                                              f"{HARDWARE.relative_to(ROOT)}")
     ap.add_argument("--row", default="145.6", help="the calibration row (parameters in billions as printed)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "sim_published.json")
+    add_machine_note(ap)
     args = ap.parse_args()
+    bench_run = BenchRun.start(__file__, None, args, output=args.json, note=SIMULATION)
     cal = next(r for r in TABLE1 if r[0] == args.row)
     if args.calibrate:
         eff = calibrate(cal)
@@ -131,9 +133,7 @@ def main() -> int:
     gains = interleaving_gain()
     for g in gains:
         print(f"GPT-3 175B, 96 GPUs, batch {g['batch']:>2}: interleaved (v=2) over 1F1B {g['gain']:+.1%}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"table1": rows, "interleaving": gains,
-                                     "hardware": HARDWARE.read_text()}, indent=1, default=str))
+    bench_run.write(args.json, {"table1": rows, "interleaving": gains, "hardware": HARDWARE.read_text()})
     return 0
 
 

@@ -18,6 +18,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT / "src"))
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
 
 POINT = r"""
 import json, resource, sys, time
@@ -52,7 +55,9 @@ def point(layers: int, m: int, pp: int, nodes: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
+    add_machine_note(ap)
     args = ap.parse_args()
+    bench_run = BenchRun.start(__file__, None, args, output=args.json)
     rows = []
     for name, values in SWEEPS.items():
         for value in values:
@@ -62,7 +67,7 @@ def main() -> int:
             print(f"{name:>12} = {value:>5}: {r['world']:>6} GPUs, {r['tasks']:>7} tasks, {r['wall_s']:6.2f} s, "
                   f"peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        bench_run.write(args.json, {"rows": rows})
     return 0
 
 

@@ -49,6 +49,8 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "bench")]
 
 import sim_calibrate  # noqa: E402  (bench/, on the path above)
 
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
+
 MODEL_OVERRIDES = {"model.n_layers": "8", "model.d_model": "256", "model.n_heads": "8", "data.seq_len": "128",
                    "train.precision": "fp32", "train.global_batch": "16"}
 """The validation model and batch (what the calibration's matrix products are taken from)."""
@@ -193,9 +195,11 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", help="layout names to run (default: all, in-sample and held-out)")
     ap.add_argument("--simulate-only", type=Path, metavar="RESULTS.json",
                     help="no training or calibration: simulate the layouts of RESULTS.json with --hardware-dir's files")
+    add_machine_note(ap)
     args = ap.parse_args()
+    bench_run = BenchRun.start(__file__, None, args, output=args.json)
     if args.simulate_only:
-        return resimulate(args.simulate_only, args.hardware_dir, args.json)
+        return resimulate(args.simulate_only, args.hardware_dir, args.json, bench_run)
     todo = groups(args.only)
     result: dict = {"calibration": {}, "layouts": [], "held_out_named": [n for n, _, _ in HELD_OUT],
                     "calibration_failures": []}
@@ -226,27 +230,13 @@ def main() -> int:
     lines = summary_lines(result["layouts"], result["calibration_failures"])
     print("\n".join(lines))
     if args.json:
-        write_result(args.json, result)
+        bench_run.write(args.json, result)
     if args.plot:
         plot(result, args.plot)
     return 1 if result["calibration_failures"] else 0
 
 
-def write_result(path: Path, result: dict) -> None:
-    """``result`` with the date, the machine and the command, as JSON, written whole (a temporary file renamed)."""
-    import platform
-    from datetime import datetime, timezone
-
-    doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "machine": f"{platform.node()} ({os.cpu_count()} CPUs)", "command": " ".join(sys.argv), **result}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    tmp.replace(path)
-    print(f"wrote {path}")
-
-
-def resimulate(results: Path, hardware_dir: Path, out: Path | None) -> int:
+def resimulate(results: Path, hardware_dir: Path, out: Path | None, bench_run: BenchRun) -> int:
     """Every layout of ``results`` simulated again with the hardware files of ``hardware_dir``, against the
     measured steps there (in-sample and held-out apart)."""
     rows = []
@@ -267,8 +257,7 @@ def resimulate(results: Path, hardware_dir: Path, out: Path | None) -> int:
                 print(f"    {row['layout']}: {line}")
     print("\n".join(summary_lines(rows, [])))
     if out:
-        out.write_text(json.dumps({"measured_in": str(results), "hardware_dir": str(hardware_dir), "layouts": rows},
-                                  indent=1, default=str))
+        bench_run.write(out, {"measured_in": str(results), "hardware_dir": str(hardware_dir), "layouts": rows})
     return 0
 
 

@@ -23,15 +23,6 @@ NO_CUDA = ("{script} measures one GPU, but torch.cuda.is_available() is False (t
            "machine with a CUDA GPU, or pass --smoke for the tiny CPU run that only checks the script works")
 
 
-def write_json(path: Path, result: dict) -> None:
-    """``result`` as indented JSON at ``path``, written whole or not at all (a temporary file renamed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(path)
-    print(f"wrote {path}")
-
-
 def exit_without_cuda(script: str) -> None:
     """The clear message and exit status 2 when there is no GPU to measure."""
     import torch

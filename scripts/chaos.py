@@ -21,7 +21,6 @@ run, a disk that fills during a checkpoint) and this script is the soak:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import subprocess
@@ -29,6 +28,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from shardwise.bench_result import BenchRun, add_machine_note
 
 BASE = {
     "model.preset": "tiny", "data.source": "stdlib", "data.max_bytes": "400000", "data.seq_len": "32",
@@ -118,15 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900, help="seconds one launch may take before it counts as hung")
     p.add_argument("--json", type=Path, help="write the summary here")
     p.add_argument("--keep", type=Path, help="keep the runs in this directory (default: a temporary one)")
+    add_machine_note(p)
     args = p.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
     with tempfile.TemporaryDirectory(prefix="shardwise-chaos-") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         summary = soak(args.layouts, args.faults, args.seed, work, args.timeout)
     print(f"faults tried {summary['tried']}, survived {summary['survived']}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+        bench_run.write(args.json, summary)
     return 0 if summary["tried"] == summary["survived"] else 1
 
 

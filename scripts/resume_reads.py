@@ -14,13 +14,12 @@ reads is reported too (counted by wrapping the one function that hashes a file).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from shardwise.bench_result import BenchRun, add_machine_note
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = {"dp4": {}, "zero3-dp4": {"parallel.zero": 3},
@@ -73,7 +72,9 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--json", type=Path, help="also write the table as JSON here")
+    add_machine_note(parser)
     args = parser.parse_args()
+    bench_run = BenchRun.start(__file__, None, args, output=args.json)
     sys.path.insert(0, str(ROOT))
     from tests.harness import run_on_ranks, shutdown_pools
 
@@ -106,11 +107,7 @@ def main() -> None:
         launcher = next(r["launcher_hashed_bytes"] for r in rows if r["layout"] == name)
         print(f"{name}: the launcher's check hashed {launcher:,} bytes (state.json)")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.node(),
-            "command": " ".join(["python", *sys.argv]), "d_model": args.d_model, "layers": args.layers,
-            "rows": rows}, indent=2) + "\n")
+        bench_run.write(args.json, {"d_model": args.d_model, "layers": args.layers, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 layouts per run, seeded by the source tree so that every change draws others, each trained against one process;
 and the fuzzer's own parts -- every draw is accepted or refused in one line before any worker starts, a failure
 shrinks to what causes it and prints as one command. The regression tests of the bugs it found are beside the
-code they guard (listed in RegressionTests below)."""
+code they guard (docs/tests.md names them)."""
 
 from __future__ import annotations
 

@@ -158,8 +158,8 @@ def _train_many(jobs):
 def test_megatron_3d_layouts_equal_one_process(tmp_path, cache_dir):
     """tp 2 x pp 2 x dp 2 on 8 ranks, Megatron's GPT recipe: sequence parallelism inside the tensor-parallel
     pipeline and ZeRO-1 (the distributed optimizer), under 1F1B and under interleaved stages (virtual
-    pipeline), each without and with dropout 0.1 (masks drawn from the single-process positions), clipping
-    off: the same model as one process. The validation set is the same windows whatever the layout."""
+    pipeline) with dropout 0.1 (masks drawn from the single-process positions), and 1F1B without dropout,
+    clipping off: the same model as one process. The validation set is the same windows whatever the layout."""
     from tests.harness import run_on_ranks
     from tests.test_train import make_config
 
@@ -168,12 +168,11 @@ def test_megatron_3d_layouts_equal_one_process(tmp_path, cache_dir):
               "parallel.sequence_parallel": True}
     schedules = {"1f1b": {}, "interleaved": {"parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2}}
     jobs, refs = {}, {}
-    for dropout in (0.0, 0.1):
+    for name, dropout in (("1f1b", 0.0), ("interleaved", 0.1)):
         refs[dropout] = run(tmp_path, cache_dir, f"ref-{dropout}", 1, **base, **{"model.dropout": dropout})
-        for name, schedule in schedules.items():
-            run_dir = tmp_path / f"{name}-{dropout}"
-            jobs[(name, dropout)] = (make_config(run_dir, cache_dir, 8, **base, **layout, **schedule,
-                                                 **{"model.dropout": dropout}), str(run_dir))
+        run_dir = tmp_path / f"{name}-{dropout}"
+        jobs[(name, dropout)] = (make_config(run_dir, cache_dir, 8, **base, **layout, **schedules[name],
+                                             **{"model.dropout": dropout}), str(run_dir))
     results = run_on_ranks(8, _train_many, list(jobs.values()))[0]
     for (name, dropout), result in zip(jobs, results, strict=True):
         assert_same_training(result, refs[dropout], atol=1e-5)

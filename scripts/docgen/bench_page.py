@@ -1,5 +1,6 @@
 """docs/benchmarks.md: one section per ``bench/results/*.json``, each with its date, machine and command, its
-notes (how and when it was measured, earlier runs) and its figures as tables.
+notes (how and when it was measured, earlier runs), its figures as tables and, when the file replaced earlier
+results, their headlines (``history``, kept by :mod:`shardwise.bench_result`), one line each.
 
 The tables are generic: every number the JSON holds is shown, nested records as rows, except lists of
 per-step samples (say so in a line) and long text. :data:`VIEWS` narrows a few files whose JSON also holds raw
@@ -13,6 +14,7 @@ import json
 from pathlib import Path
 
 from docgen.markdown import GENERATED, table
+from shardwise.bench_result import machine_text
 
 TOPICS: list[tuple[str, str, tuple[str, ...]]] = [
     ("The default run and the trainer", "getting-started.md", ("default_run", "default_compile", "overhead",
@@ -31,8 +33,8 @@ TOPICS: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 """(heading, guide, file-name prefixes): where a result file's section goes; the first matching prefix wins."""
 
-META = ("date", "machine", "command", "notes", "benchmark", "source", "host", "platform", "cpu_count", "cpus",
-        "torch")
+META = ("date", "machine", "command", "notes", "history", "benchmark", "source", "host", "platform", "cpu_count",
+        "cpus", "torch")
 """Keys shown in a section's header (the machine's from what the JSON records of it), not in its tables."""
 
 PATHS = ("json", "plot", "file")
@@ -73,9 +75,10 @@ def topic_of(name: str) -> int:
 
 
 def machine_of(doc: dict) -> str | None:
-    """The JSON's ``machine``, or what it records of the machine (host, CPUs, platform, torch)."""
+    """The JSON's ``machine`` (a text, or the writer's measured description in one line), or what it records of
+    the machine (host, CPUs, platform, torch)."""
     if doc.get("machine"):
-        return str(doc["machine"])
+        return machine_text(doc["machine"])
     host = doc.get("host")
     parts = []
     if isinstance(host, dict):
@@ -209,7 +212,26 @@ def section(path: Path) -> list[str]:
     lines += sec.lines
     if sec.omitted:
         lines += ["Left out here, in the JSON: " + ", ".join(f"`{k}`" for k in sorted(sec.omitted)) + ".", ""]
+    lines += history_lines(doc.get("history") or [])
     return lines
+
+
+def history_lines(history: list[dict]) -> list[str]:
+    """The earlier results this file replaced, oldest first, one line each: date, machine, command and key
+    figures, and where git holds the whole earlier file."""
+    if not history:
+        return []
+    out = ["Earlier runs (replaced by the results above; oldest first):", ""]
+    for h in history:
+        head = f"{h.get('date') or 'date not recorded'}, {h.get('machine') or 'machine not recorded'}"
+        if h.get("command"):
+            head += f", `{h['command']}`"
+        figures = "; ".join(f"{k} {_num(v)}" for k, v in (h.get("figures") or {}).items())
+        if h.get("figures_left_out"):
+            figures += f"; {h['figures_left_out']} more"
+        where = f" (whole file: `git show {h['file_at']}`)" if h.get("file_at") else ""
+        out.append(f"- {' '.join(head.split())}: {figures or 'no figures'}{where}")
+    return out + [""]
 
 
 def render(root: Path) -> str:
@@ -222,7 +244,8 @@ def render(root: Path) -> str:
         "",
         "Every figure measured for shardwise, one section per result file, grouped by topic; the guides quote "
         "them and link here. Each file records when it was measured, on what machine and by which command; its "
-        "notes say under what load and how it compares with earlier runs of the same command. Ratios are "
+        "notes say under what load and how it compares with earlier runs of the same command, and a file that "
+        "replaced earlier results lists their headlines under \"Earlier runs\". Ratios are "
         "ours / the peer's, measured side by side in one invocation (absolute times on a shared machine drift). "
         "Chrome traces (`*.trace.json`) and plots (`*.png`) sit beside the JSON in `bench/results/`.",
         "",

@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardwise.bench_result import BenchRun, add_machine_note
 from shardwise.dist.mesh import free_port, shutdown_distributed
 
 from .workload import run_collective
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", metavar="PNG", help="bandwidth-vs-size plot")
     p.add_argument("--summarize", metavar="JSON", nargs="+",
                    help="print one summary table of earlier --json results instead of running")
+    add_machine_note(p)
     args = p.parse_args(argv)
     if args.summarize:
         print(summary([json.load(open(path)) for path in args.summarize]))
@@ -268,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch.multiprocessing as mp
 
+    to_file = args.json if args.json and args.json != "-" else None
+    bench_run = BenchRun.start("shardwise bench comm", argv, args, output=to_file)
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -278,9 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=1))
     else:
         print(table(result))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        if to_file:
+            bench_run.write(to_file, result)
     if args.plot:
         plot(result, args.plot)
     return 0
