@@ -16,7 +16,6 @@ Exit status: 0 when every draw that ran trained the one-process model, 1 otherwi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.* (the worker pool, the comparison) import from the repository root
+
+from shardwise.bench_result import BenchRun, add_machine_note  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shrink-budget", type=int, default=40, help="checks spent shrinking each failure")
     parser.add_argument("--json", type=Path, help="write the summary (counts, refusals, failures) here")
     parser.add_argument("--replay", nargs="+", metavar="FIELD=VALUE", help="check this one config and exit")
+    add_machine_note(parser)
     args = parser.parse_args(argv)
+    bench_run = BenchRun.start(__file__, argv, args, output=args.json)
 
     from tests import layout_fuzz as fuzz
 
@@ -48,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         summary = fuzz.run_campaign(args.n, seed, args.max_ranks, Path(cache), shrink_budget=args.shrink_budget,
                                     close_pools=True)
-    summary.update(seconds=round(time.perf_counter() - t0, 1), date=time.strftime("%Y-%m-%d %H:%M:%S"),
-                   command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]))
+    summary.update(seconds=round(time.perf_counter() - t0, 1))
     ran = summary["equal"] + summary["failed"]
     print(f"\n{summary['drawn']} drawn: {ran} ran ({summary['equal']} equal, {summary['failed']} failed), "
           f"{summary['refused']} refused in one line; {summary['seconds']} s")
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     for failure in summary["failures"]:
         print(f"draw {failure['draw']}: {failure['shrunk_detail']}\n  {failure['shrunk']}")
     if args.json:
-        args.json.write_text(json.dumps(summary, indent=1))
+        bench_run.write(args.json, summary)
     return 0 if not summary["failures"] else 1
 
 
