@@ -68,20 +68,16 @@ def test_data_parallel_survives_a_kill_and_a_kill_while_saving(tmp_path, cache_d
 
 
 def test_a_crash_during_a_background_checkpoint_write_keeps_the_previous_one(tmp_path, cache_dir):
-    """ckpt.async: rank 1 is SIGKILLed by its writer thread after writing its file of checkpoint 6, while training
-    goes on; checkpoint 6 never becomes valid (no manifest, no rename), so the restart resumes from 4, removes the
-    partial directory, and the run ends bit-identical to an uninterrupted one with ckpt.keep's 2 checkpoints. The
-    steps trained while checkpoint 6 was being written are lost too: up to 2 x ckpt.every."""
+    """ZeRO-3 with ckpt.async: rank 1 is SIGKILLed by its writer thread after writing its shard of checkpoint 6, while
+    training goes on; checkpoint 6 never becomes valid (no manifest, no rename), so the restart resumes from 4 (each
+    rank reading its shard), removes the partial directory, and the run ends bit-identical to an uninterrupted one
+    with ckpt.keep's 2 checkpoints. The steps trained while checkpoint 6 was being written are lost too: up to
+    2 x ckpt.every."""
     restarts, out, run_dir = _killed_run_matches_uninterrupted(tmp_path, cache_dir, "save@6:r1", max_lost=2 * EVERY,
-                                                               **{"ckpt.async": "true"})
+                                                               **{"ckpt.async": "true", "parallel.zero": 3})
     assert [r["resumed_step"] for r in restarts] == [4]
     assert "removed 1 partial checkpoint(s) left by a failed write: .tmp-step_00000006-" in out
     assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_00000006", "step_00000008"]
-
-
-def test_zero3_survives_a_kill(tmp_path, cache_dir):
-    restarts, _, _ = _killed_run_matches_uninterrupted(tmp_path, cache_dir, "kill@5:r0", **{"parallel.zero": 3})
-    assert [(r["resumed_step"], r["steps_lost"]) for r in restarts] == [(4, 1)]
 
 
 def test_pipeline_survives_a_stopped_stage(tmp_path, cache_dir):
@@ -90,7 +86,7 @@ def test_pipeline_survives_a_stopped_stage(tmp_path, cache_dir):
     collective and the rank that did not answer, and the agent restarts the group (SIGKILLing the stopped
     process, which cannot act on SIGTERM)."""
     restarts, _, run_dir = _killed_run_matches_uninterrupted(
-        tmp_path, cache_dir, "stop@4:r1", **{"parallel.pp": 2, "parallel.timeout_s": 10})
+        tmp_path, cache_dir, "stop@4:r1", **{"parallel.pp": 2, "parallel.timeout_s": 6})
     assert [(r["resumed_step"], r["steps_lost"]) for r in restarts] == [(2, 2)]
     (failure,) = failures(run_dir, 0)
     assert failure["rank"] == 0 and "ranks not answering: [1]" in failure["error"], failure

@@ -163,7 +163,7 @@ def test_megatron_3d_layouts_equal_one_process(tmp_path, cache_dir):
     from tests.harness import run_on_ranks
     from tests.test_train import make_config
 
-    base = {"model.n_layers": 4, "data.val_fraction": 0.1, "train.steps": 6, "train.grad_clip": 0}
+    base = {"model.n_layers": 4, "data.val_fraction": 0.1, "train.steps": 3, "train.grad_clip": 0}
     layout = {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 1, "parallel.microbatches": 4,
               "parallel.sequence_parallel": True}
     schedules = {"1f1b": {}, "interleaved": {"parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2}}
