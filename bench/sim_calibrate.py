@@ -7,6 +7,10 @@ For k ranks computing at once (k concurrent single-threaded processes, as the tr
 rank measures:
 
 * the peak: the best FLOP/s of n x n matrix products (n = 256, 512, 1024);
+* the **share of a core** each rank keeps while all k multiply at once: the best call's time over the mean call's
+  time of a 512 x 512 product run back to back for a second by every rank together (k ranks on fewer cores share
+  them; a best-of timing alone finds the moments a rank had a core to itself). The hardware file's FLOP/s are the
+  peak times this share and its per-operator cost the measured one over it;
 * the **matrix products' efficiency**: the model's own products -- every ``(m x k) @ (k x n)`` the simulator traces
   for one rank's share of the validation model (:mod:`shardwise.sim.compute`'s recorder gives the shapes), each
   timed alone, best of its calls -- their FLOPs over their summed time, over the peak;
@@ -92,6 +96,20 @@ def matmul_efficiency(shapes: dict, peak: float) -> float:
     return flops / seconds / peak
 
 
+def core_share(seconds: float = 1.0) -> float:
+    """The best call's time over the mean call's time of a 512 x 512 product repeated for ``seconds`` (call it
+    right after a barrier on every rank, so that all run at once); at most 1."""
+    import torch
+
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    best = _timed(lambda: torch.mm(a, b), 0.3)
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        torch.mm(a, b)
+        calls += 1
+    return min(1.0, best / ((time.perf_counter() - t0) / calls))
+
+
 def operator_seconds() -> tuple[float, list[tuple[int, float]]]:
     """The slope of a forward-and-backward chain's time against its operators (least squares), and the points."""
     import torch
@@ -136,6 +154,8 @@ def _probe(rank: int, world: int, port: int, out: str, shapes: dict) -> None:
         a, b = torch.randn(n, n), torch.randn(n, n)
         peak = max(peak, 2 * n**3 / _timed(lambda a=a, b=b: torch.mm(a, b)))
     dist.barrier()
+    share = core_share()
+    dist.barrier()
     efficiency = matmul_efficiency({tuple(map(int, s.split(","))): c for s, c in shapes.items()}, peak)
     dist.barrier()
     per_op, points = operator_seconds()
@@ -145,7 +165,8 @@ def _probe(rank: int, world: int, port: int, out: str, shapes: dict) -> None:
 
     model = calibrate(None, large=4 << 20)
     native = model.native["all_reduce"][0]
-    result = torch.tensor([peak, efficiency, per_op, bandwidth, model.alpha, model.beta, native], dtype=torch.float64)
+    result = torch.tensor([peak, efficiency, per_op, bandwidth, model.alpha, model.beta, native, share],
+                          dtype=torch.float64)
     dist.all_reduce(result, op=dist.ReduceOp.SUM)
     collectives = gloo_collectives.measure(world)
     if rank == 0:
@@ -167,9 +188,9 @@ def probe(world: int, shapes: dict) -> dict:
     mp.spawn(_probe, args=(world, free_port(), out, keyed), nprocs=world)
     doc = json.loads(Path(out).read_text())
     os.unlink(out)
-    peak, eff, per_op, bandwidth, alpha, beta, native = doc["probe"]
+    peak, eff, per_op, bandwidth, alpha, beta, native, share = doc["probe"]
     medians = {c: {int(n): t for n, t in by_n.items()} for c, by_n in doc["native"].items()}
-    return {"flops": peak, "matmul_efficiency_measured": eff, "operator_s_measured": per_op,
+    return {"flops": peak, "core_share": share, "matmul_efficiency_measured": eff, "operator_s_measured": per_op,
             "operator_points": doc["operator_points"], "matmul_shapes": len(shapes), "bandwidth": bandwidth,
             "alpha_s": alpha, "beta_s_per_byte": beta, "native_all_reduce_intercept_s": native,
             "native_sizes": list(gloo_collectives.SIZES), "native_median_s": medians,
@@ -204,12 +225,13 @@ def clamped(name: str, value: float) -> float:
 def hardware_file(path: Path, name: str, p: dict, links: dict | None = None) -> Path:
     """A --hardware file for this machine from a :func:`probe` ``p`` and, for network namespaces, two-level
     links (``bench/bench_multinode.py``'s calibration)."""
-    tflops = p["flops"] / 1e12
+    share = p.get("core_share", 1.0)  # the rate a rank keeps while every rank computes
+    tflops = p["flops"] * share / 1e12
     intra_bw = 1 / (links["beta_intra_s_per_byte"] if links else p["beta_s_per_byte"])
     alpha = links["alpha_intra_s"] if links else p["alpha_s"]
     call = max(0.0, p["native_all_reduce_intercept_s"] - 2 * p["alpha_s"])  # beyond a 2-rank ring's latency
     eff = clamped("matmul_efficiency", p["matmul_efficiency_measured"])
-    per_op = clamped("operator_s", p["operator_s_measured"])
+    per_op = clamped("operator_s", p["operator_s_measured"]) / share
     lines = ["# Microbenchmarks only (bench/sim_calibrate.py); no layout's step time went into this file.",
              f"[gpu.{name}]", f"fp32_tflops = {tflops}", f"bf16_tflops = {tflops}", "memory_gb = 16",
              f"nvlink_gbps = {2 * intra_bw / 1e9}", f"intra_latency_us = {alpha * 1e6}"]
@@ -251,7 +273,8 @@ def main() -> int:
     failed = False
     for k in args.ranks:
         path, p, failures = calibrate(k, MODEL_OVERRIDES, args.out_dir)
-        print(f"k={k}: {p['flops'] / 1e9:.1f} GFLOP/s peak, the model's products at "
+        print(f"k={k}: {p['flops'] / 1e9:.1f} GFLOP/s peak, {p['core_share']:.2f} of it kept while all compute, "
+              f"the model's products at "
               f"{p['matmul_efficiency_measured']:.3f} of it ({p['matmul_shapes']} shapes), "
               f"{p['operator_s_measured'] * 1e6:.1f} us per operator, "
               f"{p['bandwidth'] / 1e9:.1f} GB/s -> {path}")

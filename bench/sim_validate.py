@@ -212,7 +212,8 @@ def main() -> int:
             files[k] = (path, f"this-cpu-{k}")
             result["calibration"][k] = {**p, "file": str(path), "failures": failures}
             result["calibration_failures"] += [f"k={k}: {f}" for f in failures]
-            print(f"k={k}: {p['flops'] / 1e9:.1f} GFLOP/s, the model's products at "
+            print(f"k={k}: {p['flops'] / 1e9:.1f} GFLOP/s, {p['core_share']:.2f} of it kept while all compute, "
+                  f"the model's products at "
                   f"{p['matmul_efficiency_measured']:.3f} of it, {p['operator_s_measured'] * 1e6:.1f} us per "
                   f"operator, {p['bandwidth'] / 1e9:.1f} GB/s, alpha {p['alpha_s'] * 1e6:.0f} us", flush=True)
             for line in failures:
