@@ -86,7 +86,7 @@ def test_pipeline_survives_a_stopped_stage(tmp_path, cache_dir):
     collective and the rank that did not answer, and the agent restarts the group (SIGKILLing the stopped
     process, which cannot act on SIGTERM)."""
     restarts, _, run_dir = _killed_run_matches_uninterrupted(
-        tmp_path, cache_dir, "stop@4:r1", **{"parallel.pp": 2, "parallel.timeout_s": 6})
+        tmp_path, cache_dir, "stop@4:r1", **{"parallel.pp": 2, "parallel.timeout_s": 8})
     assert [(r["resumed_step"], r["steps_lost"]) for r in restarts] == [(2, 2)]
     (failure,) = failures(run_dir, 0)
     assert failure["rank"] == 0 and "ranks not answering: [1]" in failure["error"], failure
