@@ -350,15 +350,10 @@ class RouterTotals:
         return RouterTotals([i for p in parts for i in p.layers], torch.cat([p.counts for p in parts]),
                             torch.stack([p.tail for p in parts]).sum(0))
 
-    def to_host(self) -> RouterTotals:
-        """The sums copied to host memory without waiting (pinned, from a GPU): read them only once the device is
-        past the copy (the loop's :class:`~shardwise.train.readout.Readout` waits for the step's event first)."""
-        return self.with_flat(self.flat().to("cpu", non_blocking=True))
-
 
 def pop_moe_totals(model: nn.Module) -> RouterTotals | None:
     """This step's router sums over every MoE block of ``model`` (reset afterwards); ``None`` without MoE blocks.
-    They stay on the router's device (nothing waits for it): :func:`~RouterTotals.to_host` queues their copy."""
+    They stay on the router's device (nothing waits for it); the router step queues their copy to the host."""
     layers = moe_layers(model)
     if not layers:
         return None

@@ -50,13 +50,7 @@ class Readout:
     def push(self, step: int, values: dict[str, torch.Tensor], **keep) -> None:
         """Queue ``values`` (0-dim tensors on the device) of ``step`` for the host; nothing waits. ``keep``: what
         the loop wants back with them (host numbers, or device tensors for a later look)."""
-        vector = torch.stack([v.detach().reshape(()).to(torch.float64) for v in values.values()])
-        on_cuda = vector.is_cuda
-        vector = vector.to("cpu", non_blocking=True)  # from a GPU into pinned host memory; on a CPU itself
-        event = None
-        if on_cuda:
-            event = torch.cuda.Event()
-            event.record()
+        vector, event = copy_to_host(torch.stack([v.detach().reshape(()).to(torch.float64) for v in values.values()]))
         self._pending.append(PendingStep(step, list(values), vector, event, keep))
 
     def ready(self) -> list[ReadStep]:
@@ -74,6 +68,19 @@ class Readout:
             p.event.synchronize()
         numbers = p.host.numpy().tolist()  # host memory: no device to wait for
         return ReadStep(p.step, dict(zip(p.names, numbers, strict=True)), p.keep)
+
+
+def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``t``'s copy in host memory, queued without waiting, and on a GPU the event to synchronize on before the copy
+    is read (``None``: ``t`` was on the host; the copy is ``t`` itself, still made by ``.to``, which is where a
+    simulated device, :mod:`shardwise.dispatch_count`, learns that it is a host tensor)."""
+    on_cuda = t.is_cuda
+    host = t.to("cpu", non_blocking=True)  # from a GPU into pinned host memory
+    if not on_cuda:
+        return host, None
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 class Late:

@@ -21,6 +21,7 @@ from torch import nn
 
 from shardwise.model.moe import RouterTotals, moe_layers, moe_metrics, pop_moe_totals
 from shardwise.model.router import update_expert_bias
+from shardwise.train.readout import copy_to_host
 
 COLLAPSE_FACTOR = 2.0
 """An expert is overloaded when it takes more than this many times its fair share ``k / E`` of the tokens."""
@@ -55,13 +56,12 @@ def router_step(model: nn.Module, group: dist.ProcessGroup | None,
         for moe, load in zip(moe_layers(model), totals.counts[:, 1], strict=True):
             update_expert_bias(moe.router, load, moe.bias_rate, skipped)
     copied = None
-    if totals is not None:
-        on_cuda = totals.counts.is_cuda
-        totals = totals.to_host()
-        if on_cuda:  # the reader waits for this event, not the device's later work
-            copied = torch.cuda.Event()
-            copied.record()
-    if pp_group is not None:  # an object collective: it waits for the copy (pipelines with experts only)
+    if totals is not None:  # the reader waits for this copy's event, not for the device's later work
+        flat, copied = copy_to_host(totals.flat())
+        totals = totals.with_flat(flat)
+    if pp_group is not None:  # an object collective pickles the host copy: wait for it (pipelines with experts)
+        if copied is not None:
+            copied.synchronize()
         stages: list[RouterTotals | None] = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(stages, totals, group=pp_group)
         stages = [t for t in stages if t is not None]
