@@ -69,6 +69,12 @@ def clip_grad_norm_on_device(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]]
             parts[0].append(g[info.local_index()] if g.shape == p.shape else g)
     if device is None:
         device = pieces[0][0].device if pieces else torch.device("cpu")
+    reduced = [g for g in (tp_group, shard_group, ep_group, pp_group) if g is not None and dist.get_world_size(g) > 1]
+    filled = [part for part in parts if part]
+    if not reduced and len(filled) == 1:  # nothing to add: torch's own norm (the sum of squares below gives its bits)
+        norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(filled[0])])).to(device)
+        _clip([g for g, _ in pieces], max_norm, norm)
+        return norm
     local = torch.zeros(4, dtype=torch.float32, device=device)
     for i, part in enumerate(parts):  # each part's norm as torch.nn.utils.clip_grad_norm_ computes it
         if part:
@@ -88,11 +94,15 @@ def clip_grad_norm_on_device(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]]
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     norm = total[0].sqrt()
-    grads = [g for g, _ in pieces]
+    _clip([g for g, _ in pieces], max_norm, norm)
+    return norm
+
+
+def _clip(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale ``grads`` by ``min(1, max_norm / (norm + 1e-6))`` (nothing where ``max_norm`` is 0)."""
     if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         torch._foreach_mul_(grads, coef.to(grads[0].device))
-    return norm
 
 
 def parameter_pieces(params: Iterable[nn.Parameter]) -> list[tuple[torch.Tensor, nn.Parameter]]:

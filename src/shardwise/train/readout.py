@@ -50,7 +50,9 @@ class Readout:
     def push(self, step: int, values: dict[str, torch.Tensor], **keep) -> None:
         """Queue ``values`` (0-dim tensors on the device) of ``step`` for the host; nothing waits. ``keep``: what
         the loop wants back with them (host numbers, or device tensors for a later look)."""
-        vector, event = copy_to_host(torch.stack([v.detach().reshape(()).to(torch.float64) for v in values.values()]))
+        scalars = [v.detach().reshape(()) if v.requires_grad or v.dim() else v for v in values.values()]
+        stacked = torch.stack(scalars)  # one operator: stack promotes the dtypes (float64 where one is)
+        vector, event = copy_to_host(stacked if stacked.dtype == torch.float64 else stacked.double())
         self._pending.append(PendingStep(step, list(values), vector, event, keep))
 
     def ready(self) -> list[ReadStep]:

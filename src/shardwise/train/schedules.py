@@ -52,7 +52,6 @@ class OneStage:
         """Forward and backward of every micro-batch (loss / m each, so the gradients are those of the mean);
         the mean loss of this replica's micro-batches. ``dropout_key``: that of the first micro-batch, shifted
         by the sequences before each."""
-        loss_sum = torch.zeros((), device=self.device)
         losses = []
         done = 0
         for i, (x, y) in enumerate(batches):
@@ -64,12 +63,16 @@ class OneStage:
                     else:
                         loss = self.wrapper(x, y, dropout_key=dropout_key.shifted(done))
                 losses.append(loss.detach())
-                loss_sum += losses[-1]
-                scaled = loss / len(batches)
+                scaled = loss / len(batches) if len(batches) > 1 else loss  # (no operator to divide by one)
                 (scaler.scale_loss(scaled) if scaler else scaled).backward()
             done += x.shape[0]
         self.micro_losses = torch.stack(losses) if len(losses) > 1 else losses[0].reshape(1)
         """Each micro-batch's loss of the last step (read only after a skipped step, to name where it came from)."""
+        if len(losses) == 1:
+            return losses[0].float()  # (fp32 already: no operator)
+        loss_sum = torch.zeros((), device=self.device)
+        for loss in losses:  # in order, as the micro-batches ran: the same sum on every layout
+            loss_sum += loss
         return loss_sum / len(batches)
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
