@@ -122,6 +122,22 @@ def test_context_attention_seconds_come_from_the_device_clock():
     assert dev.waits == 1 and core.pop_seconds() == 0.0
 
 
+def test_durations_read_after_the_step_wait_for_nothing_new():
+    """The attention seconds are read one step late: the one wait is for the step's own last stamp (done by then),
+    not for a new event behind the next step's queued work."""
+    dev = FakeDevice()
+    clock = EventClock(event=dev.event, host=dev.host)
+    pairs = []
+    for seconds in (0.5, 1.5):
+        start = clock.stamp()
+        dev.launch(seconds)
+        pairs.append((start, clock.stamp()))
+    dev.launch(30.0)  # the next step's work, queued behind
+    assert clock.durations(pairs) == pytest.approx([0.5 + 1e-3, 1.5])
+    assert dev.waits == 1 and dev.host_now == pytest.approx(dev.origin + 2.0 + 1e-3)  # not behind the 30 s
+    assert HostClock().durations([(1.0, 1.25), (2.0, 4.0)]) == [0.25, 2.0]
+
+
 def test_each_device_gets_its_clock():
     assert isinstance(clock_for("cpu"), HostClock) and isinstance(clock_for(None), HostClock)
     assert isinstance(clock_for("cuda:1"), EventClock)

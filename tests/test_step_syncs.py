@@ -7,9 +7,10 @@ stamps. The counter sees each of them on a CPU by simulating a device (every ten
 the code made on the host); :class:`~shardwise.dispatch_count.CallWindow` counts one whole cycle of the real loop
 (from one call of ``Engine.forward_backward`` to the next: upload, forward, backward, norm, optimizer step,
 metrics, and the read of the step before), after warm-up and before the end of the run. Every layout runs on the
-2-rank pool: dense data parallelism (bf16, fp16), tensor parallelism, ZeRO-1/2/3, a 1F1B pipeline, ring
-attention (cp), and experts over ep 2, whose exchanging dispatch reads the host once per MoE layer (the uneven
-all-to-all's splits) and whose padded one never.
+2-rank pool: dense data parallelism (bf16, fp16), tensor parallelism, ZeRO-1/2/3, a 1F1B pipeline (dense, and
+with MoE blocks, whose stages join their routers' loads in one gather on the device), ring attention (cp), and
+experts over ep 2, whose exchanging dispatch reads the host once per MoE layer (the uneven all-to-all's splits)
+and whose padded one never.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ LAYOUTS = {
     "zero2": ({"parallel.zero": 2}, 0),
     "zero3": ({"parallel.zero": 3}, 0),
     "pp": ({"parallel.pp": 2, "parallel.microbatches": 2}, 0),
+    "pp_moe": ({"model.preset": "tiny-moe", "parallel.pp": 2, "parallel.microbatches": 2}, 0),
     "cp": ({"parallel.cp": 2}, 0),
     "ep": ({"model.preset": "tiny-moe", "parallel.ep": 2}, MOE_LAYERS),
     "ep_padded": ({"model.preset": "tiny-moe", "parallel.ep": 2, "parallel.ep_dispatch": "padded",

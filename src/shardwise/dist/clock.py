@@ -15,8 +15,10 @@ different ranks of one machine compare, as the pipeline's bubble needs.
 
 Users: the pipeline timeline, its bubble and replayed bubble (:mod:`shardwise.parallel.pipeline.timeline`), the
 context-parallel attention seconds (:mod:`shardwise.parallel.context.core`) and the checkpoint stall
-(``ckpt_stall_s``, :mod:`shardwise.train.loop`). :class:`EventClock` takes the event type as an argument, so its
-arithmetic is tested on a CPU with a fake device (``tests/test_clock.py``).
+(``ckpt_stall_s``, :mod:`shardwise.train.loop`). Where only durations are wanted (the attention seconds, read
+one step late) :meth:`Clock.durations` waits for the step's own last stamp, which is done by then.
+:class:`EventClock` takes the event type as an argument, so its arithmetic is tested on a CPU with a fake device
+(``tests/test_clock.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class Clock:
         """Seconds from ``start`` to ``end``."""
         t0, t1 = self.seconds([start, end])
         return t1 - t0
+
+    def durations(self, pairs: Sequence[tuple[Any, Any]]) -> list[float]:
+        """Seconds from each ``(start, end)`` pair's start to its end, stamped in that order: at most one wait, for
+        the last end stamp itself (no new one), so a step read once the device is past it waits for nothing."""
+        return [t1 - t0 for t0, t1 in (self.seconds(pair) for pair in pairs)]
 
 
 class HostClock(Clock):
@@ -75,6 +82,12 @@ class EventClock(Clock):
         last.synchronize()  # the one wait: every earlier stamp of the stream is done too
         now = self.host()
         return [now - s.elapsed_time(last) / 1000.0 for s in stamps]
+
+    def durations(self, pairs: Sequence[tuple[Any, Any]]) -> list[float]:
+        if not pairs:
+            return []
+        pairs[-1][1].synchronize()  # the stream's order: every earlier stamp is done too
+        return [start.elapsed_time(end) / 1000.0 for start, end in pairs]
 
 
 def clock_for(device: torch.device | str | None) -> Clock:

@@ -45,7 +45,7 @@ from shardwise.parallel.context import pop_attention_work
 from shardwise.parallel.data import DataParallel
 from shardwise.parallel.dropout import replica_key
 from shardwise.parallel.expert import state as expert_state
-from shardwise.parallel.expert.router_step import router_step
+from shardwise.parallel.expert.router_step import StageBlocks, router_step
 from shardwise.parallel.grad_norm import clip_grad_norm_on_device
 from shardwise.parallel.materialize import materialize_parameters, reset_buffers
 from shardwise.parallel.parallelize import parallelize
@@ -136,6 +136,9 @@ class Engine:
         self.order = ReferenceOrder(cfg.model, self._named_parameters())
         # 4. the schedule of a step
         self.schedule = self._schedule()
+        self._moe_stages = (StageBlocks.gather(self.module, self.pp_group, cfg.model.n_experts)
+                            if self.pp_group is not None and cfg.model.n_experts else None)
+        """Which MoE blocks each pipeline stage holds: how the router step joins their sums on the device."""
         self._tied_elsewhere = tied_copies_elsewhere(self.parts, [getattr(p, "stage", 0) for p in self.parts])
         """The tied table's copy on the last stage: counted in the gradient norm by the first stage only."""
 
@@ -302,11 +305,12 @@ class Engine:
         early = getattr(self.wrapper, "overlapped_buckets_last_step", None) if early is None else early
         if early is not None and self.mesh.size("dp_cp") > 1:
             out["dp_reduced_in_backward"] = float(early)
-        if self.mesh.size("cp") > 1:
-            out.update(pop_attention_work(self.module))
+        if self.mesh.size("cp") > 1:  # the attention seconds: the device's clock, read with the step
+            out["cp"] = Late(pop_attention_work(self.module))
         if self.cfg.model.n_experts:
             sp = self.tp_group if self.cfg.parallel.sequence_parallel else None
-            out["moe"] = Late(router_step(self.module, self.group, self.pp_group, seq_group=sp, skipped=skipped))
+            out["moe"] = Late(router_step(self.module, self.group, self.pp_group, seq_group=sp, skipped=skipped,
+                                          stages=self._moe_stages, device=self.device))
         return out
 
     def write_timeline(self, run_dir: Path, step: int) -> None:

@@ -14,6 +14,7 @@ work of its forward passes:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -51,8 +52,6 @@ class ContextAttention:
     recomputes that layer in backward."""
     calls: int = 0
     """Forward calls with gradients since the last pop (one per layer and micro-batch, more when recomputed)."""
-    seconds: float = 0.0
-    """Measured time of the forward attention blocks since the last pop (the device's clock, read at the pop)."""
     _stamps: list = field(default_factory=list, repr=False)
     """(start, end) stamps of the blocks timed since the last pop, on :attr:`_clock`."""
     _clock: Clock | None = field(default=None, repr=False)
@@ -92,20 +91,22 @@ class ContextAttention:
     @contextmanager
     def timed(self, like: torch.Tensor):
         """Measure the time of the block computed inside (``like``: one of its tensors, for the device's clock:
-        :mod:`shardwise.dist.clock`, stamps read at :meth:`pop_seconds`, nothing waited for here)."""
+        :mod:`shardwise.dist.clock`, stamps read after the step, :meth:`pop_stamps`; nothing waited for here)."""
         if self._clock is None:
             self._clock = clock_for(like.device)
         start = self._clock.stamp()
         yield
         self._stamps.append((start, self._clock.stamp()))
 
+    def pop_stamps(self) -> tuple[Clock | None, list]:
+        """The clock and the (start, end) stamps of the blocks timed since the last pop (nothing read yet)."""
+        out, self._stamps = self._stamps, []
+        return self._clock, out
+
     def pop_seconds(self) -> float:
         """The measured block time since the last pop (the stamps read here, at most one wait for the device)."""
-        if self._stamps:
-            t = self._clock.seconds([s for pair in self._stamps for s in pair])
-            self.seconds += sum(t[i + 1] - t[i] for i in range(0, len(t), 2))
-        out, self.seconds, self._stamps = self.seconds, 0.0, []
-        return out
+        clock, stamps = self.pop_stamps()
+        return sum(clock.durations(stamps)) if stamps else 0.0
 
     def count_whole(self, seq: int, fraction: float) -> None:
         """A ``seq x seq`` attention (causal: half of it) over ``fraction`` of the heads (Ulysses)."""
@@ -153,9 +154,11 @@ class ContextAttention:
         return ulysses_attention(q, k, v, self, drop, rule)
 
 
-def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:
-    """This step's attention work of the context-parallel cores in ``module``, counters reset; ``{}`` without
-    context parallelism.
+def pop_attention_work(module: torch.nn.Module) -> Callable[[], dict[str, float]]:
+    """This step's attention work of the context-parallel cores in ``module``, counters reset, as the reader of its
+    metrics (``{}`` without context parallelism): call it once the device is past the step -- the loop reads it
+    one step late (:class:`~shardwise.train.readout.Late`), when the blocks' clock stamps are done, so nothing
+    waits for the device.
 
     * ``cp_attn_tiles``: this rank's forward score tiles, counted from the blocks it computed;
       ``cp_attn_tiles_max`` / ``_min`` over its cp group and their ratio ``cp_attn_tile_imbalance``;
@@ -165,8 +168,8 @@ def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:
     * ``cp_attn_act_bytes``: bytes the cores keep for backward per micro-batch, over all this rank's layers
       (measured, see :attr:`ContextAttention.saved_bytes`).
 
-    The maxima and minima are gathered over the cp group: a collective that every cp rank calls at the
-    same point of the step; bookkeeping, not counted as the technique's traffic."""
+    The maxima and minima are gathered over the cp group when the reader runs: a collective (of host tensors)
+    that every cp rank calls at the same point of the loop; bookkeeping, not counted as the technique's traffic."""
     from shardwise.model.layers import Attention
 
     cores, layers = {}, {}
@@ -179,13 +182,19 @@ def pop_attention_work(module: torch.nn.Module) -> dict[str, float]:
                 cores[id(core)] = core
                 layers[id(core)] = layers.get(id(core), 0) + 1
     if not cores:
-        return {}
+        return dict
     total = sum(c.work for c in cores.values())
-    seconds = sum(c.pop_seconds() for c in cores.values())
+    timed = [c.pop_stamps() for c in cores.values()]
     act = sum(c.saved_bytes / c.calls * layers[i] for i, c in cores.items() if c.calls)
     for c in cores.values():
         c.work, c.saved_bytes, c.calls = 0.0, 0, 0
     core = next(iter(cores.values()))
+    return lambda: _attention_metrics(core, total, timed, act)
+
+
+def _attention_metrics(core: ContextAttention, total: float, timed: list[tuple[Clock | None, list]],
+                       act: float) -> dict[str, float]:
+    seconds = sum(sum(clock.durations(stamps)) for clock, stamps in timed if stamps)
     # host tensors (the group's gloo side on a GPU machine): two numbers need no upload and no read back
     mine = torch.tensor([total, seconds], dtype=torch.float64)
     gathered = torch.zeros(core.size * 2, dtype=torch.float64)
