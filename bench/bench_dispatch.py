@@ -14,6 +14,7 @@ the same AdamW, ``zero_grad``; nothing read back. Layouts (all on ``--nproc`` 2 
     one_bf16       the same in bf16 autocast        tp_sp   with sequence parallelism (+ SequenceParallel)
     one_dropout    model.dropout 0.1 (ours: Philox  pp      1F1B, 4 micro-batches vs torch.distributed.pipelining
                    keyed masks; torch's RNG)                Schedule1F1B (no clip)
+    one_dropout_device_plan   the same, our masks drawn as a GPU draws them (whole tensor, one pass)
     ddp            DataParallel vs DistributedDataParallel
     zero2 / zero3  ZeRO-2 / ZeRO-3 vs fully_shard(reshard_after_forward=False / True), every block and the root
     cp, ep, ep_padded, ps   ours alone: ring attention; experts over ep 2 (counts exchanged / padded to capacity
@@ -66,6 +67,7 @@ LAYOUTS: dict[str, tuple[int, dict, str | None]] = {
     "one": (1, {**DENSE}, "plain"),
     "one_bf16": (1, {**DENSE, "train.precision": "bf16"}, "plain"),
     "one_dropout": (1, {**DENSE, "model.dropout": 0.1}, "plain"),
+    "one_dropout_device_plan": (1, {**DENSE, "model.dropout": 0.1}, "plain"),
     "ddp": (2, {**DENSE}, "ddp"),
     "zero2": (2, {**DENSE, "parallel.zero": 2}, "fsdp_keep"),
     "zero3": (2, {**DENSE, "parallel.zero": 3}, "fsdp"),
@@ -79,6 +81,9 @@ LAYOUTS: dict[str, tuple[int, dict, str | None]] = {
     "ps": (3, {**DENSE, "ps.servers": 1}, None),
 }
 """layout -> (processes, our config overrides, torch's peer or None)."""
+DEVICE_PLAN = ("one_dropout_device_plan",)
+"""Layouts whose masks are drawn with the plan of a device that is not a CPU (the whole tensor in one pass, no
+``nonzero``) wherever they run: what a GPU dispatches, counted on a CPU."""
 ONE_GPU = ("one", "one_bf16", "one_dropout")
 """The layouts one GPU holds (NCCL: one rank per GPU)."""
 
@@ -232,6 +237,10 @@ def _worker(rank: int, nproc: int, port: int, layout: str, cfg, args, queue) -> 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if layout in DEVICE_PLAN:
+        from shardwise.model.dropout import MaskPlan
+
+        MaskPlan.for_device = classmethod(lambda cls, device: cls(None, False))
     try:
         out = {"ours": _summary(run_ours(cfg, args))}
         kind = LAYOUTS[layout][2]

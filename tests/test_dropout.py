@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from shardwise.model.dropout import Dropout, DropoutKey, keep_mask, threshold
-from shardwise.model.philox import philox4x32
+from shardwise.model.philox import philox4x32, philox4x32_traced
 from tests.test_train import assert_same_training, run
 
 KAT = [  # Random123 tests/kat_vectors, philox4x32 10: counter, key, output
@@ -35,6 +35,9 @@ KAT = [  # Random123 tests/kat_vectors, philox4x32 10: counter, key, output
 def test_philox_matches_the_random123_known_answers():
     for counter, key, expected in KAT:
         assert [int(w) for w in philox4x32(tuple(torch.tensor([c]) for c in counter), key)] == list(expected)
+        words = [torch.tensor([c]) for c in counter]  # the compiler's form, the key as int or as tensors
+        assert [int(w) for w in philox4x32_traced(words, key)] == list(expected)
+        assert [int(w) for w in philox4x32_traced(words, tuple(torch.tensor(k) for k in key))] == list(expected)
     # vectorised: a lane's words do not depend on its neighbours (all-zero counter beside the all-ones one)
     lanes = tuple(torch.tensor([a, b]) for a, b in zip(KAT[0][0], KAT[1][0], strict=True))
     assert [int(w[0]) for w in philox4x32(lanes, KAT[0][1])] == list(KAT[0][2])
@@ -212,3 +215,32 @@ def test_without_dropout_one_process_trains_another_model(references, tmp_path, 
     """The references above do drop: the same run with model.dropout 0 has other losses."""
     plain = run(tmp_path, cache_dir, "plain", 1, **{**DROPOUT, "model.dropout": 0.0})
     assert min(abs(a - b) for a, b in zip(plain[0][1:], references("tiny")[0][1:], strict=True)) > 1e-3
+
+
+def test_the_device_plan_compiles_into_one_graph_for_every_key_with_the_eager_bits():
+    """What a GPU runs under ``train.compile``: the whole-tensor plan traced whole (``fullgraph``: no graph break, so
+    no host read and no data-dependent shape) and compiled by TorchInductor (here its CPU code), giving the eager
+    masks' bits for keys that change every step and micro-batch, with no compilation after the key's first change
+    (the key enters as tensors: an int key made symbolic does not build)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from shardwise.model.dropout import LANES, MaskPlan, _draw
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    b, h, t = 2, 2, 32
+    pos = torch.arange(t)
+    index = [torch.arange(b), torch.arange(h), pos, pos]
+    whole = MaskPlan(None, False)
+    draw = torch.compile(lambda idx, key: _draw(0.1, key, 1, "attn_probs", idx, [h, t, t], True, True, whole),
+                         backend=inductor, fullgraph=True)
+    for step in range(1, 5):
+        key = DropoutKey(seed=11, step=step, first_sequence=3 * step)
+        eager = keep_mask(0.1, key, 1, "attn_probs", index, [h, t, t], True, aligned=t % LANES == 0)
+        assert torch.equal(draw(index, key), eager), f"step {step}"
+    assert len(graphs) == 2  # the first key's constants, then the key symbolic for good

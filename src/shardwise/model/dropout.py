@@ -27,7 +27,9 @@ How a mask is drawn depends on the device (:class:`MaskPlan`), never its bits: o
 :data:`CHUNK` calls that stay in the cache, a causal attention mask drawing only the calls it reads; on any
 other device the whole tensor in one pass (a fixed number of operators, ~170 per site at any size, where the
 passes would launch ~150 kernels per 32K calls), with nothing read back by the host. Under ``train.compile``
-the whole-tensor plan is traced into the block's compiled region, where TorchInductor fuses the generator.
+the whole-tensor plan is traced into the block's compiled region, where TorchInductor fuses the generator; the
+key enters as tensors, so the region is compiled again once when the key first changes (TorchDynamo then makes
+its ints symbolic), not for every step or micro-batch.
 
 The keep probability is ``1 - p`` rounded to a multiple of 2^-16 (:func:`threshold`: p = 0.1 drops with
 probability 6554 / 65536 = 0.100006); the kept values are scaled by the inverse of the probability used,
@@ -46,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.model.philox import WORD, philox4x32_
+from shardwise.model.philox import WORD, philox4x32_, philox4x32_traced
 
 SITES = {"embed": 0, "attn_out": 1, "mlp_out": 2, "attn_probs": 3, "classifier": 4}
 """Which dropout of a layer a mask belongs to (a counter word): the embedding's, the attention and MLP
@@ -157,8 +159,10 @@ def _draw(p: float, key: DropoutKey, layer: int, site: str, index: Sequence[torc
 
 
 _draw_eagerly = torch.compiler.disable(_draw)
-"""The CPU's plan under torch.compile: drawn eagerly (TorchInductor cannot build CPU code for its integer ops).
-The whole-tensor plan of other devices is traced into the compiled region (one fused kernel per mask)."""
+"""The CPU's plan under torch.compile: drawn eagerly, in passes that skip a causal mask's unread calls (measured on
+this 2-core CPU, B 2, H 8, T 1024: 0.07 s eagerly, 0.27 s for the whole-tensor plan compiled, which draws them all).
+The whole-tensor plan of other devices is traced into the compiled region (one fused kernel per mask), the key as
+tensors (:func:`~shardwise.model.philox.philox4x32_traced`): one graph for every step and micro-batch."""
 
 
 def aligned_index(last: torch.Tensor, extent: int) -> bool:
@@ -186,7 +190,8 @@ def _keep_blocks(blocks: torch.Tensor, p: float, key: DropoutKey, layer: int, si
     per pass (None: all in one, written without ``out=`` so that torch.compile traces it whole)."""
     n, thr = len(blocks), threshold(p)
     if chunk is None:
-        words = philox4x32_(_counter(blocks, layer, site), (key.seed, key.step))
+        philox = philox4x32_traced if torch.compiler.is_compiling() else philox4x32_
+        words = philox(_counter(blocks, layer, site), (key.seed, key.step))
         return torch.stack([torch.stack(((w & 0xFFFF) >= thr, w >= thr << 16), 1) for w in words], 1).view(n, LANES)
     out = torch.empty(n, 4, 2, dtype=torch.bool, device=blocks.device)
     for start in range(0, n, chunk):

@@ -59,3 +59,22 @@ def philox4x32_(words: list[torch.Tensor], key: tuple[int, int],
         torch.bitwise_and(p0, WORD, out=c3)  # lo0
         k0, k1 = (k0 + W0) & WORD, (k1 + W1) & WORD
     return c0, c1, c2, c3
+
+
+def philox4x32_traced(words: list[torch.Tensor], key: tuple[int, int] | tuple[torch.Tensor, torch.Tensor],
+                      rounds: int = ROUNDS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`philox4x32_` written for ``torch.compile``: out of place (TorchInductor fuses the ten rounds into one
+    kernel) and with the key as 0-dim int64 tensors on the counter's device. A key that changes every step is
+    then an input of one compiled graph, not a constant: an int key that changes is made symbolic by TorchDynamo,
+    and TorchInductor's CPU code for bitwise operators on a symbolic int does not build (torch 2.13). The same
+    bits as :func:`philox4x32_`."""
+    c0, c1, c2, c3 = words
+    k0, k1 = (k if isinstance(k, torch.Tensor) else torch.scalar_tensor(k, dtype=torch.int64, device=c0.device)
+              for k in key)
+    k0, k1 = k0 & WORD, k1 & WORD
+    for _ in range(rounds):
+        p0, p1 = c0 * M0, c2 * M1
+        c0, c1 = ((p1 >> 32) ^ c1 ^ k0) & WORD, p1 & WORD
+        c2, c3 = ((p0 >> 32) ^ c3 ^ k1) & WORD, p0 & WORD
+        k0, k1 = (k0 + W0) & WORD, (k1 + W1) & WORD
+    return c0, c1, c2, c3
