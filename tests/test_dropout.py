@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -217,30 +218,24 @@ def test_without_dropout_one_process_trains_another_model(references, tmp_path, 
     assert min(abs(a - b) for a, b in zip(plain[0][1:], references("tiny")[0][1:], strict=True)) > 1e-3
 
 
-def test_the_device_plan_compiles_into_one_graph_for_every_key_with_the_eager_bits():
-    """What a GPU runs under ``train.compile``: the whole-tensor plan traced whole (``fullgraph``: no graph break, so
-    no host read and no data-dependent shape) and compiled by TorchInductor (here its CPU code), giving the eager
-    masks' bits for keys that change every step and micro-batch, with no compilation after the key's first change
-    (the key enters as tensors: an int key made symbolic does not build)."""
-    from torch._inductor.compile_fx import compile_fx
+def test_the_fused_mask_compiles_once_per_shape_for_every_key_with_the_eager_bits():
+    """What a GPU draws (MaskPlan.fused): the whole-tensor plan compiled ``fullgraph`` (no graph break, so no host
+    read and no data-dependent shape) by TorchInductor -- here its CPU code -- gives the eager masks' bits for keys
+    and layers that change every call, from at most two graphs per shape (the first key's constants, then the key
+    symbolic: it enters as tensors, where an int key made symbolic does not build), with no eager fallback."""
+    from torch._dynamo.utils import counters
 
-    from shardwise.model.dropout import LANES, MaskPlan, _draw
+    from shardwise.model.dropout import LANES, MaskPlan, _FusedDraw
 
     torch._dynamo.reset()
-    graphs = []
-
-    def inductor(gm, example_inputs):
-        graphs.append(gm)
-        return compile_fx(gm, example_inputs)
-
-    b, h, t = 2, 2, 32
-    pos = torch.arange(t)
-    index = [torch.arange(b), torch.arange(h), pos, pos]
-    whole = MaskPlan(None, False)
-    draw = torch.compile(lambda idx, key: _draw(0.1, key, 1, "attn_probs", idx, [h, t, t], True, True, whole),
-                         backend=inductor, fullgraph=True)
-    for step in range(1, 5):
-        key = DropoutKey(seed=11, step=step, first_sequence=3 * step)
-        eager = keep_mask(0.1, key, 1, "attn_probs", index, [h, t, t], True, aligned=t % LANES == 0)
-        assert torch.equal(draw(index, key), eager), f"step {step}"
-    assert len(graphs) == 2  # the first key's constants, then the key symbolic for good
+    counters.clear()
+    fused, plan = _FusedDraw(), MaskPlan(None, False, fused=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the fallback warns
+        for step, t in ((1, 32), (2, 32), (3, 32), (4, 48), (5, 48)):
+            key = DropoutKey(seed=11, step=step, first_sequence=3 * step)
+            pos = torch.arange(t)
+            index, extents = [torch.arange(2), torch.arange(2), pos, pos], [2, t, t]
+            eager = keep_mask(0.1, key, step, "attn_probs", index, extents, True, aligned=t % LANES == 0)
+            assert torch.equal(fused(0.1, key, step, "attn_probs", index, extents, True, True, plan), eager), step
+    assert fused.failed is None and counters["stats"]["unique_graphs"] <= 4

@@ -22,8 +22,8 @@ pairwise all-to-all and the parameter server use point-to-point, which gloo runs
 the config refuses them with ``run.device='cuda'`` on gloo.
 
 The GPU-only branches of issue 35 run here too: ZeRO's asynchronous checkpoint (pinned buffers filled on a side
-stream), dropout's whole-tensor masks (the CPU's bits, no host synchronisation on the real device), the CUDA-event
-clock, and the communication thread's device.
+stream), dropout's whole-tensor masks (the CPU's bits, no host synchronisation on the real device; and each mask
+one compiled kernel outside a dispatch mode), the CUDA-event clock, and the communication thread's device.
 """
 
 from __future__ import annotations
@@ -298,6 +298,26 @@ def test_dropout_masks_on_the_gpu_are_the_cpus_and_read_nothing_back():
             assert counter.counts.n_syncs == 0, counter.counts.syncs_by_site()
     for cpu, gpu in zip(masks["cpu"], masks["cuda"], strict=True):
         assert torch.equal(cpu, gpu.cpu())
+
+
+def test_the_fused_dropout_masks_on_the_gpu_are_the_cpus():
+    """Outside a dispatch mode a GPU draws each mask with one compiled kernel (MaskPlan.fused): the CPU's bits, for
+    keys and layers that change, and no fallback to the eager draw."""
+    from shardwise.model import dropout
+    from shardwise.model.dropout import AttentionDropout, Dropout, DropoutKey, Span
+
+    for step in (3, 4, 5):
+        key = DropoutKey(seed=7, step=step, first_sequence=2 * step)
+        masks = {}
+        for device in ("cpu", "cuda"):
+            attn = AttentionDropout(0.1, key, step, Span.whole(4, device))
+            pos = torch.arange(256, device=device)
+            residual = Dropout(0.1, "mlp_out", step).train()
+            masks[device] = (attn.keep(2, pos, pos, 256, causal=True, keys_aligned=True),
+                             residual(torch.ones(2, 256, 64, device=device), key) != 0)
+        for cpu, gpu in zip(masks["cpu"], masks["cuda"], strict=True):
+            assert torch.equal(cpu, gpu.cpu()), step
+    assert dropout._FUSED.compiled is not None and dropout._FUSED.failed is None, dropout._FUSED.failed
 
 
 def test_the_event_clock_times_the_kernel_not_the_launch():

@@ -41,12 +41,14 @@ torch's generator, as ``nn.Dropout`` and ``scaled_dot_product_attention(dropout_
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from shardwise.model.philox import WORD, philox4x32_, philox4x32_traced
 
@@ -108,13 +110,17 @@ class MaskPlan:
 
     chunk: int | None
     skip_unread: bool
+    fused: bool = False
+    """The whole-tensor plan only: drawn by one compiled kernel (:func:`_draw` under ``torch.compile``, compiled at
+    its first use) also outside a compiled region, where no dispatch mode watches."""
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> MaskPlan:
         """The CPU's plan: passes of :data:`CHUNK` calls (the working set stays in its cache) skipping the calls a
-        causal mask does not read. Any other device: the whole tensor in one pass, nothing skipped -- a GPU
-        launches ~150 kernels per mask instead of ~150 per 32K calls, and never waits for a ``nonzero``."""
-        return cls(CHUNK, True) if torch.device(device).type == "cpu" else cls(None, False)
+        causal mask does not read. Any other device: the whole tensor in one pass, nothing skipped, fused -- a GPU
+        launches one kernel per mask (eagerly ~160, where the passes took ~150 per 32K calls) and never waits for
+        a ``nonzero``."""
+        return cls(CHUNK, True) if torch.device(device).type == "cpu" else cls(None, False, fused=True)
 
 
 def keep_mask(p: float, key: DropoutKey, layer: int, site: str, index: Sequence[torch.Tensor],
@@ -134,7 +140,12 @@ def keep_mask(p: float, key: DropoutKey, layer: int, site: str, index: Sequence[
     plan = plan or MaskPlan.for_device(index[-1].device)
     if aligned is None:
         aligned = aligned_index(index[-1], extents[-1])
-    draw = _draw_eagerly if plan.chunk is not None else _draw
+    if plan.chunk is not None:
+        draw = _draw_eagerly
+    elif plan.fused and _fusable(index[-1]):
+        draw = _FUSED
+    else:
+        draw = _draw
     return draw(p, key, layer, site, index, extents, causal, aligned, plan)
 
 
@@ -163,6 +174,43 @@ _draw_eagerly = torch.compiler.disable(_draw)
 this 2-core CPU, B 2, H 8, T 1024: 0.07 s eagerly, 0.27 s for the whole-tensor plan compiled, which draws them all).
 The whole-tensor plan of other devices is traced into the compiled region (one fused kernel per mask), the key as
 tensors (:func:`~shardwise.model.philox.philox4x32_traced`): one graph for every step and micro-batch."""
+
+
+def _fusable(t: torch.Tensor) -> bool:
+    """Whether a mask on ``t``'s device is drawn by the compiled kernel: a device TorchInductor builds kernels for
+    (not a CPU, whose passes are faster; not meta), not inside a region being compiled (which traces :func:`_draw`
+    itself), and no dispatch mode watching (a counter counts the eager operators)."""
+    return (t.device.type not in ("cpu", "meta") and not torch.compiler.is_compiling()
+            and _get_current_dispatch_mode() is None)
+
+
+class _FusedDraw:
+    """:func:`_draw` compiled: each mask one fused kernel. Compiled at its first call, per site and shape, once more
+    when the key or layer first changes (TorchDynamo then makes those ints symbolic; the key enters the generator
+    as tensors, :func:`~shardwise.model.philox.philox4x32_traced`), never per step. If compilation fails the masks
+    are drawn eagerly -- the same bits, ~160 kernels each -- after one warning that says why."""
+
+    def __init__(self):
+        self.compiled = None
+        self.failed: str | None = None
+
+    def __call__(self, *args) -> torch.Tensor:
+        if self.failed is None:
+            if self.compiled is None:
+                self.compiled = torch.compile(_draw, fullgraph=True)
+            for t in args[4]:  # the index: static shapes (TorchInductor's CPU code for them drew other bits)
+                torch._dynamo.mark_static(t)
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: fall back to the same bits eagerly
+                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                warnings.warn(f"dropout masks are drawn eagerly (~160 kernels per mask): torch.compile of the "
+                              f"mask failed: {self.failed}", RuntimeWarning, stacklevel=2)
+        return _draw(*args)
+
+
+_FUSED = _FusedDraw()
+"""The compiled mask of the devices that are not a CPU (compiled once per process, at its first use)."""
 
 
 def aligned_index(last: torch.Tensor, extent: int) -> bool:
@@ -205,7 +253,7 @@ def _keep_blocks(blocks: torch.Tensor, p: float, key: DropoutKey, layer: int, si
 
 def _counter(blocks: torch.Tensor, layer: int, site: str) -> list[torch.Tensor]:
     """The four counter words of Philox calls ``blocks`` (module docstring)."""
-    return [blocks & WORD, blocks >> 32, torch.full_like(blocks, layer & WORD), torch.full_like(blocks, SITES[site])]
+    return [blocks & WORD, blocks >> 32, torch.full_like(blocks, layer) & WORD, torch.full_like(blocks, SITES[site])]
 
 
 def apply_keep(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
