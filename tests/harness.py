@@ -84,7 +84,25 @@ def _worker(rank: int, world_size: int, port: int, conn, sys_path: list[str]) ->
         except Exception:  # noqa: BLE001
             out = pickle.dumps(("error", f"rank {rank}: the return value cannot be pickled:\n{traceback.format_exc()}"))
         conn.send_bytes(out)
+        try:  # after the reply (a failure is reported at once): every rank is done with the call's groups
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - a rank died or is stuck: the parent replaces the pool
+            continue
+        _destroy_subgroups(dist)
     os._exit(0)
+
+
+def _destroy_subgroups(dist) -> None:
+    """Destroy every process group a call made (a run's mesh axes, ZeRO++'s node groups, ...), keeping the default
+    one: each gloo group keeps three threads polling its sockets, and a pool serves hundreds of runs."""
+    from torch.distributed import distributed_c10d
+
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not dist.group.WORLD and group is not distributed_c10d.GroupMember.WORLD:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - a group torch already tore down
+                pass
 
 
 class _Pool:
