@@ -271,15 +271,19 @@ def test_sim_zero_reduce_waits_as_the_engine_does():
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_sim_pipeline_zero_reduces_before_the_flush(schedule):
-    """pp 2 x dp 2, ZeRO-2: buckets are reduce-scattered once their chunk's last backward has run (before the
-    rank's last computation ends), as the executor's last_backward_actions say -- not with zb-h1."""
+@pytest.mark.parametrize("zero", [0, 2])
+def test_sim_pipeline_data_parallelism_reduces_before_the_flush(schedule, zero):
+    """pp 2 x dp 2, plain and ZeRO-2: buckets are all-reduced (reduce-scattered) once their chunk's last backward
+    has run (before the rank's last computation ends), as the executor's last_backward_actions say -- not with
+    zb-h1. Untied embeddings: the tied table's bucket, and those after it, wait for the flush."""
     from tests.test_sim import cluster
 
-    _, b = _sim(cluster(gpus=4), {"parallel.zero": "2", "parallel.pp": "2", "parallel.pp_schedule": schedule,
-                                  "model.n_layers": "4"})
+    _, b = _sim(cluster(gpus=4), {"parallel.zero": str(zero), "parallel.pp": "2", "parallel.pp_schedule": schedule,
+                                  "model.n_layers": "4", "model.tie_embeddings": "false",
+                                  "parallel.bucket_mb": "0.05"})
+    name = "reduce-scatter" if zero else "all-reduce bucket"
     for r, last in enumerate(b.last_compute):
-        early = [t for t in b.graph.rank_tasks(r) if t.name.startswith("reduce-scatter") and t.start < last.end]
+        early = [t for t in b.graph.rank_tasks(r) if t.name.startswith(name) and t.start < last.end]
         assert bool(early) == (schedule == "1f1b"), r
 
 

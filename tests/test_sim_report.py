@@ -45,14 +45,18 @@ def test_zero1_gather_after_the_step_is_named_with_the_overlap_that_would_hide_i
     assert overlapped.exposed_s.get("dp", 0.0) < res.exposed_s["dp"]
 
 
-def test_pipeline_buckets_after_the_flush_and_tensor_parallel_collectives_inside_the_passes():
+def test_pipeline_buckets_in_the_cool_down_and_tensor_parallel_collectives_inside_the_passes():
     res = _sim(cluster(gpus=8), **{"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true",
                                    "parallel.microbatches": 4, "parallel.bucket_mb": "0.05"},
                **{"model.n_layers": 4})
     causes = exposure.causes(res)
     assert _by_axis(causes) == pytest.approx(res.exposed_s, rel=1e-9)
     flush = next(c for c in causes if c.axis == "dp" and "bucket" in c.what)
-    assert flush.how == "tail" and "--overlap-grad-reduce" in flush.hidden_by
+    assert flush.how == "tail" and "parallel.bucket_mb" in flush.hidden_by  # reduced in the cool-down but the last
+    zb = _sim(cluster(gpus=4), **{"parallel.pp": 2, "parallel.pp_schedule": "zb-h1", "parallel.microbatches": 4,
+                                  "parallel.bucket_mb": "0.05"}, **{"model.n_layers": 4})
+    flush = next(c for c in exposure.causes(zb) if c.axis == "dp" and "bucket" in c.what)
+    assert "W passes" in flush.hidden_by  # zb-h1's buckets wait for the flush
     assert flush.waited_by.startswith("'wait for gradients'")
     sp = next(c for c in causes if c.what.startswith("sp all-gather inside every forward and backward"))
     assert sp.how == "inside" and "--tp-comm-overlap" in sp.hidden_by

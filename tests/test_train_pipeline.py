@@ -33,13 +33,17 @@ def reference(tmp_path_factory, cache_dir):
     (2, {"parallel.pp": 2, "parallel.pp_schedule": "gpipe", "parallel.pp_partition": "1"}),
     (2, {"parallel.pp": 2, "parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2}),
     (4, {"parallel.pp": 4, "parallel.pp_schedule": "1f1b"}),
-    (4, {"parallel.pp": 2, "parallel.dp": 2, "parallel.pp_schedule": "1f1b"}),
+    (4, {"parallel.pp": 2, "parallel.dp": 2, "parallel.pp_schedule": "1f1b", "parallel.bucket_mb": 0.05}),
     (2, {"parallel.pp": 2, "parallel.pp_schedule": "zb-h1"}),
 ], ids=["pp2-1f1b", "pp2-gpipe-manual", "pp2-interleaved", "pp4-1f1b", "pp2xdp2", "pp2-zb-h1"])
 def test_pipeline_trains_like_one_process(reference, tmp_path, cache_dir, nproc, layout):
     micro = {"parallel.microbatches": 4} if "parallel.dp" not in layout else {"parallel.microbatches": 2}
     result = run(tmp_path, cache_dir, "pp", nproc, **LAYERS, **layout, **micro)
     assert_same_training(result, reference, atol=1e-5)
+    if "parallel.dp" in layout:  # plain data parallelism all-reduces buckets during each chunk's last backward (the
+        # tied table's after the flush: small buckets, so that others hold none of it)
+        rows = [json.loads(line) for line in (tmp_path / "pp" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["dp_reduced_in_backward"] for r in rows if "dp_reduced_in_backward" in r][-1] > 0
 
 
 def test_llama_untied_pipeline(tmp_path, cache_dir):

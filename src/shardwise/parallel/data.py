@@ -223,6 +223,10 @@ class DataParallel(nn.Module):
         self.overlapped_buckets_last_step = 0
         """Buckets of the last synchronisation launched while backward was still running."""
         self._sync = True
+        self._final = False
+        """Inside :meth:`final_backward`: a pipeline chunk's last backward, whose gradients are final."""
+        self._late: set[int] = set()
+        """Buckets a pipeline changes after its last backward (the tied table's): reduced after the flush."""
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._buckets: list[_Bucket] = []
         self._hooks = []
@@ -253,6 +257,8 @@ class DataParallel(nn.Module):
         for b in self._buckets:
             for pos, p in enumerate(b.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self, b, pos)))
+        tied = {id(w) for m in module.modules() if (w := getattr(m, "tied_weight", None)) is not None}
+        self._late = {b.index for b in self._buckets if any(id(p) in tied for p in b.params)}
         self._reset()
 
     def __del__(self):
@@ -288,8 +294,23 @@ class DataParallel(nn.Module):
 
     def pipeline_step(self):
         """A pipeline step's backward passes: gradients accumulate locally (:meth:`no_sync`) until
-        :meth:`reduce_gradients` after the flush (ZeRO's wrapper has its own)."""
+        :meth:`reduce_gradients` after the flush (ZeRO's wrapper has its own) -- but for the buckets whose
+        gradients a chunk's last backward completes (:meth:`final_backward`)."""
         return self.no_sync()
+
+    @contextlib.contextmanager
+    def final_backward(self):
+        """Inside :meth:`pipeline_step`: the backward run inside is a chunk's last of the step (the executor's
+        :func:`~shardwise.parallel.pipeline.executor.last_backward_actions`), so the gradients it completes are
+        final. Each bucket is all-reduced as soon as all its gradients are in, in bucket order, beside the rest of
+        the schedule -- Megatron-Core overlaps its data-parallel reduction with the pipeline's cool-down the same
+        way -- and :meth:`reduce_gradients` after the flush launches the rest and waits. A bucket holding the tied
+        table waits for the flush (its two copies add their gradients after it)."""
+        self._final = not self._sync and bool(self._buckets)  # (a chunk's backward passes never nest)
+        try:
+            yield
+        finally:
+            self._final = False
 
     def reduce_gradients(self) -> None:
         """Average now the gradients accumulated under :meth:`no_sync` (a pipeline's, after its flush;
@@ -326,9 +347,10 @@ class DataParallel(nn.Module):
     def _on_grad_ready(self, bucket: _Bucket, pos: int) -> None:
         """Post-accumulate-grad hook of parameter ``pos`` of ``bucket``: stage its gradient; launch every bucket
         that is complete, in order. (Called once per parameter per backward: kept to a few attribute reads.)"""
-        if not self._sync:
-            return
-        if not self._in_backward:
+        if not self._sync:  # a pipeline step: only inside a chunk's last backward, and not the tied table's bucket
+            if not self._final or bucket.index in self._late:
+                return
+        elif not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         if bucket.ready[pos]:

@@ -128,10 +128,17 @@ def _zero_gather(piece: Exposed, res) -> str | None:
 
 def _bucket(piece: Exposed, res) -> str | None:
     p, hw = res.cfg.parallel, res.hw
-    if p.pp > 1 and not (p.zero in (1, 2) and p.zero_overlap_grad_reduce):
+    if p.pp > 1 and p.zero in (1, 2) and not p.zero_overlap_grad_reduce:
         return ("would be hidden by reducing each bucket as soon as the last micro-batch's backward has filled it, "
-                "inside the pipeline's cool-down (Megatron-Core --overlap-grad-reduce with a pipeline): ZeRO-1/2 "
-                "with parallel.zero_overlap_grad_reduce true do; plain data parallelism reduces after the flush")
+                "inside the pipeline's cool-down (Megatron-Core --overlap-grad-reduce with a pipeline): "
+                "parallel.zero_overlap_grad_reduce true does; plain data parallelism always does")
+    if p.pp > 1 and p.pp_schedule == "zb-h1":
+        return ("none inside zb-h1, whose W passes accumulate the weight gradients after the last backward: the "
+                "buckets are reduced after the flush (1F1B, GPipe and interleaved reduce in the cool-down)")
+    if p.pp > 1 and res.cfg.model.tie_embeddings:
+        return ("the tied table's bucket, and every bucket after it, waits for the flush (its two copies add their "
+                "gradients there): untied embeddings (model.tie_embeddings false) or a smaller last bucket "
+                "(parallel.bucket_mb) leave less after the last backward")
     if piece.how == "blocking" and not hw.overlap:
         return "none on this hardware: its collectives take the cores that compute (sim.overlap = false)"
     if p.zero in (1, 2) and not p.zero_overlap_grad_reduce:

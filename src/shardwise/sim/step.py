@@ -15,7 +15,9 @@ What is taken from the engine rather than described again:
 * the buckets and ZeRO units (:mod:`shardwise.sim.params`): without a pipeline a bucket's all-reduce (ZeRO-1/2:
   reduce-scatter) starts when the last micro-batch's backward has produced all its gradients, in bucket
   order (Li et al. 2020 §3.2.3), and earlier micro-batches accumulate without communication (``no_sync``);
-  with a pipeline every bucket is reduced after the flush (Narayanan et al. 2021 §3); ZeRO-3 gathers each
+  with a pipeline each bucket once the last backward of every chunk it holds has run (the executor's
+  :func:`~shardwise.parallel.pipeline.executor.last_backward_actions`; from the tied table's bucket on, and under
+  zb-h1, after the flush: Narayanan et al. 2021 §3); ZeRO-3 gathers each
   unit before its forward and again before its backward, the next unit's gather in flight during the current
   unit's compute (prefetch), the root unit once per micro-batch, and reduce-scatters each unit once its last
   backward is done (Rajbhandari et al. 2020 §5.3; Zhao et al. 2023 §3.3), where the engine's hooks issue them
@@ -89,8 +91,9 @@ class StepBuilder:
         """Whether ZeRO's reduce-scatters run beside backward (the engine's rule)."""
         self.gather_overlaps = p.zero in (1, 2) and p.zero_overlap_param_gather and p.dp * p.cp > 1
         """Whether ZeRO-1/2's weight gathers run beside the next forward."""
-        self._early_reduce = p.zero in (1, 2) and self.reduce_overlaps and p.dp * p.cp > 1
-        """ZeRO-1/2 in a pipeline reduce each bucket during its chunks' last backward (``final_backward``)."""
+        self._early_reduce = (p.zero == 0 or p.zero in (1, 2) and self.reduce_overlaps) and p.dp * p.cp > 1
+        """Plain data parallelism and ZeRO-1/2 in a pipeline reduce each bucket during its chunks' last backward
+        (``final_backward``)."""
         self._final_tasks: dict[tuple[int, int, object], Task] = {}
         """Per (pipeline rank, chunk, piece): the piece's task in the chunk's last backward (its gradients final after
         it)."""
@@ -435,7 +438,7 @@ class StepBuilder:
                         nbytes = self.grad_bytes_per_element() * (rp.group_numel(g) + len(g))
                         axis = self.unit_axis(r, g)
                         seconds = self.comm(axis, "all-reduce", nbytes, r, native=self.native_buckets)
-                        deps.append(self._comm_task([r], f"all-reduce bucket {i}", axis, seconds, [prev],
+                        deps.append(self._comm_task([r], f"all-reduce bucket {i}", axis, seconds, start,
                                                     nbytes=nbytes))
                     else:
                         deps.append(self._reduce(r, i, start, f"reduce-scatter bucket {i}"))
