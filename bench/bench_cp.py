@@ -143,7 +143,7 @@ def _worker(rank: int, args, port: int, cp: int, seq: int, queue) -> None:
     times, probe, work = [], _Activations(model), {}
     for step in range(args.warmup + args.steps):
         seconds = _step(model, opt, xl, yl, probe if step == 0 else None)
-        work = pop_attention_work(model)
+        work = pop_attention_work(model)()  # its reader, called at once (every cp rank, at the same point)
         sent = ledger.pop_metrics().get("cp_sent_bytes", 0.0)
         if step >= args.warmup:
             times.append(seconds)

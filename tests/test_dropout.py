@@ -239,3 +239,34 @@ def test_the_fused_mask_compiles_once_per_shape_for_every_key_with_the_eager_bit
             eager = keep_mask(0.1, key, step, "attn_probs", index, extents, True, aligned=t % LANES == 0)
             assert torch.equal(fused(0.1, key, step, "attn_probs", index, extents, True, True, plan), eager), step
     assert fused.failed is None and counters["stats"]["unique_graphs"] <= 4
+
+
+def test_the_fused_mask_keeps_every_site_and_shape_compiled():
+    """A model's sites and shapes each get their graphs (a bert classifier's five sites, two lengths, two keys: 20
+    graphs, past TorchDynamo's default limit of 8, where ``fullgraph`` would fail and every later mask fall back to
+    the eager draw), with the eager bits. Traced by the "eager" backend: the limit is TorchDynamo's, whatever
+    compiles the graphs."""
+    from torch._dynamo.utils import counters
+
+    from shardwise.model.dropout import LANES, SITES, MaskPlan, _FusedDraw
+
+    torch._dynamo.reset()
+    counters.clear()
+    fused, plan = _FusedDraw(backend="eager"), MaskPlan(None, False, fused=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the fallback warns
+        for step, t in ((1, 16), (2, 16), (3, 24), (4, 24)):
+            key = DropoutKey(seed=5, step=step, first_sequence=step)
+            pos = torch.arange(t)
+            for site in SITES:
+                if site == "attn_probs":
+                    index, extents, causal = [torch.arange(2), torch.arange(2), pos, pos], [2, t, t], True
+                elif site == "classifier":
+                    index, extents, causal = [torch.arange(2), torch.arange(t)], [t], False
+                else:
+                    index, extents, causal = [torch.arange(2), pos, torch.arange(16)], [t, 16], False
+                aligned = extents[-1] % LANES == 0 and len(index[-1]) % LANES == 0
+                eager = keep_mask(0.1, key, 1, site, index, extents, causal, aligned=aligned)
+                got = fused(0.1, key, 1, site, index, extents, causal, aligned, plan)
+                assert torch.equal(got, eager), (step, site)
+    assert fused.failed is None and counters["stats"]["unique_graphs"] > 8

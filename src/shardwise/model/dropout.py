@@ -184,24 +184,33 @@ def _fusable(t: torch.Tensor) -> bool:
             and _get_current_dispatch_mode() is None)
 
 
+GRAPHS = 64
+"""How many graphs of the compiled mask TorchDynamo may keep: two per site and shape (the first key's constants,
+then the key symbolic). Its default, 8, is four sites' worth -- a classifier's fifth site, or context parallelism's
+block shapes, would pass it, and with ``fullgraph`` that fails rather than drawing the new shape eagerly."""
+
+
 class _FusedDraw:
     """:func:`_draw` compiled: each mask one fused kernel. Compiled at its first call, per site and shape, once more
     when the key or layer first changes (TorchDynamo then makes those ints symbolic; the key enters the generator
-    as tensors, :func:`~shardwise.model.philox.philox4x32_traced`), never per step. If compilation fails the masks
-    are drawn eagerly -- the same bits, ~160 kernels each -- after one warning that says why."""
+    as tensors, :func:`~shardwise.model.philox.philox4x32_traced`), never per step; up to :data:`GRAPHS` graphs.
+    If compilation fails the masks are drawn eagerly -- the same bits, ~160 kernels each -- after one warning that
+    says why. ``backend``: torch.compile's (TorchInductor; the tests trace with "eager" to count graphs quickly)."""
 
-    def __init__(self):
+    def __init__(self, backend: str = "inductor"):
+        self.backend = backend
         self.compiled = None
         self.failed: str | None = None
 
     def __call__(self, *args) -> torch.Tensor:
         if self.failed is None:
-            if self.compiled is None:
-                self.compiled = torch.compile(_draw, fullgraph=True)
-            for t in args[4]:  # the index: static shapes (TorchInductor's CPU code for them drew other bits)
-                torch._dynamo.mark_static(t)
             try:
-                return self.compiled(*args)
+                if self.compiled is None:
+                    self.compiled = torch.compile(_draw, fullgraph=True, backend=self.backend)
+                for t in args[4]:  # the index: static shapes (TorchInductor's CPU code for them drew other bits)
+                    torch._dynamo.mark_static(t)
+                with torch._dynamo.config.patch(recompile_limit=GRAPHS):
+                    return self.compiled(*args)
             except Exception as e:  # noqa: BLE001 - any compiler failure: fall back to the same bits eagerly
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 warnings.warn(f"dropout masks are drawn eagerly (~160 kernels per mask): torch.compile of the "

@@ -71,8 +71,10 @@ def clip_grad_norm_on_device(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]]
         device = pieces[0][0].device if pieces else torch.device("cpu")
     reduced = [g for g in (tp_group, shard_group, ep_group, pp_group) if g is not None and dist.get_world_size(g) > 1]
     filled = [part for part in parts if part]
-    if not reduced and len(filled) == 1:  # nothing to add: torch's own norm (the sum of squares below gives its bits)
-        norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(filled[0])])).to(device)
+    if not reduced and len(filled) == 1:  # nothing to add: the root of the one square, as below (the same bits, an
+        # overflow to inf included, where torch's own norm would stay finite), in fewer operators
+        part = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(filled[0])])).to(device)
+        norm = part.pow(2).sqrt()
         _clip([g for g, _ in pieces], max_norm, norm)
         return norm
     local = torch.zeros(4, dtype=torch.float32, device=device)
