@@ -325,6 +325,10 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
     return torch.stack(losses).sum() if losses else None
 
 
+TAIL = 6
+"""The length of :attr:`RouterTotals.tail`."""
+
+
 @dataclass
 class RouterTotals:
     """One step's router sums over some MoE blocks (this rank's, or summed over ranks and joined over stages)."""
@@ -334,7 +338,7 @@ class RouterTotals:
     counts: torch.Tensor
     """``[L, 3, E]`` fp64: per block, the kept slots, the routed slots and the summed probability of each expert."""
     tail: torch.Tensor
-    """``[6]`` fp64: tokens, routed slots, dropped slots, summed unweighted aux and z losses, forwards."""
+    """``[TAIL]`` fp64: tokens, routed slots, dropped slots, summed unweighted aux and z losses, forwards."""
 
     def flat(self) -> torch.Tensor:
         """Every sum in one vector (summable over ranks: :meth:`with_flat` puts the sum back)."""

@@ -73,14 +73,13 @@ def clip_grad_norm_on_device(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]]
     filled = [part for part in parts if part]
     if not reduced and len(filled) == 1:  # nothing to add: the root of the one square, as below (the same bits, an
         # overflow to inf included, where torch's own norm would stay finite), in fewer operators
-        part = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(filled[0])])).to(device)
-        norm = part.pow(2).sqrt()
+        norm = _part_norm(filled[0], device).pow(2).sqrt()
         _clip([g for g, _ in pieces], max_norm, norm)
         return norm
     local = torch.zeros(4, dtype=torch.float32, device=device)
     for i, part in enumerate(parts):  # each part's norm as torch.nn.utils.clip_grad_norm_ computes it
         if part:
-            local[i] = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(part)])).to(device)
+            local[i] = _part_norm(part, device)
     sq = local.pow(2)  # squares add over ranks; with nothing to add, sqrt(fl(r * r)) = r: torch's norm, bit for bit
     if shard_group is not None and dist.get_world_size(shard_group) > 1:
         dist.all_reduce(sq, group=shard_group)
@@ -98,6 +97,11 @@ def clip_grad_norm_on_device(pieces: Iterable[tuple[torch.Tensor, nn.Parameter]]
     norm = total[0].sqrt()
     _clip([g for g, _ in pieces], max_norm, norm)
     return norm
+
+
+def _part_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The L2 norm of ``grads`` together, as ``torch.nn.utils.clip_grad_norm_`` computes it (fp32, on ``device``)."""
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)])).to(device)
 
 
 def _clip(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:

@@ -51,8 +51,8 @@ class Readout:
         """Queue ``values`` (0-dim tensors on the device) of ``step`` for the host; nothing waits. ``keep``: what
         the loop wants back with them (host numbers, or device tensors for a later look)."""
         scalars = [v.detach().reshape(()) if v.requires_grad or v.dim() else v for v in values.values()]
-        stacked = torch.stack(scalars)  # one operator: stack promotes the dtypes (float64 where one is)
-        vector, event = copy_to_host(stacked if stacked.dtype == torch.float64 else stacked.double())
+        # one operator: stack promotes the dtypes (float64 where one is: then .double() dispatches nothing)
+        vector, event = copy_to_host(torch.stack(scalars).double())
         self._pending.append(PendingStep(step, list(values), vector, event, keep))
 
     def ready(self) -> list[ReadStep]:

@@ -68,12 +68,10 @@ class OneStage:
             done += x.shape[0]
         self.micro_losses = torch.stack(losses) if len(losses) > 1 else losses[0].reshape(1)
         """Each micro-batch's loss of the last step (read only after a skipped step, to name where it came from)."""
-        if len(losses) == 1:
-            return losses[0].float()  # (fp32 already: no operator)
-        loss_sum = torch.zeros((), device=self.device)
-        for loss in losses:  # in order, as the micro-batches ran: the same sum on every layout
-            loss_sum += loss
-        return loss_sum / len(batches)
+        loss_sum = losses[0]
+        for loss in losses[1:]:  # in order, as the micro-batches ran: the same sum on every layout
+            loss_sum = loss_sum + loss
+        return (loss_sum / len(losses) if len(losses) > 1 else loss_sum).float()  # (fp32 already: no operator)
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast_context(self.precision, self.device.type):

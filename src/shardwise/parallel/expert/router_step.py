@@ -20,12 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.model.moe import RouterTotals, moe_layers, moe_metrics, pop_moe_totals
+from shardwise.model.moe import TAIL, RouterTotals, moe_layers, moe_metrics, pop_moe_totals
 from shardwise.model.router import update_expert_bias
 from shardwise.train.readout import copy_to_host
 
-TAIL = 6
-"""The length of :attr:`RouterTotals.tail <shardwise.model.moe.RouterTotals.tail>`."""
 COLLAPSE_FACTOR = 2.0
 """An expert is overloaded when it takes more than this many times its fair share ``k / E`` of the tokens."""
 COLLAPSE_STEPS = 20
